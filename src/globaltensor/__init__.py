@@ -1,0 +1,25 @@
+"""globaltensor: eager global tensors for PyTorch with an SBP type system.
+
+    import globaltensor as gt
+    gt.simulate(4)
+    p = gt.placement("cpu", ranks=[0, 1, 2, 3])
+    x = gt.randn(8, 5, placement=p, sbp=gt.sbp.split(0))
+    y = x.to_global(sbp=gt.sbp.broadcast)      # boxing: all-gather
+"""
+from . import sbp
+from .boxing import Plan, Step
+from .comm import comm_stats, get_world, rank, simulate, world_size
+from .placement import Placement, placement
+from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
+from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
+from .inspect import boxing_plan
+
+install_tensor_methods()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sbp", "placement", "Placement", "GlobalTensor", "to_global", "distribute", "simulate", "rank", "world_size",
+    "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
+    "boxing_plan", "Plan", "Step",
+]

@@ -1,0 +1,160 @@
+"""The boxing executor: runs a plan's steps on a world, over the pieces this process holds.
+
+Pieces are ``{rank: tensor}`` for the ranks of the layout's placement that live in this
+process. Every rank walks the same steps and groups in the same order, so collectives are
+issued identically everywhere; a rank outside a group skips it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm.world import World
+from .layout import Layout, intersect, relative, take
+from .plan import Plan, Step
+
+
+def execute(plan: Plan, pieces: dict, world: World) -> dict:
+    for step in plan.steps:
+        pieces = _RUNNERS[step.op](step, pieces, world)
+    return pieces
+
+
+def _local(group, world):
+    return [r for r in group if world.holds(r)]
+
+
+def _box_shape(box) -> tuple:
+    return tuple(l for _, l in box)
+
+
+def _all_gather(step: Step, pieces, world):
+    dim = step.src.nd_sbp[step.axes[0]].dim
+    out = {}
+    for g in step.groups:
+        mine = _local(g, world)
+        if not mine:
+            continue
+        sizes = [step.src.box(r)[dim][1] for r in g]
+        full = _box_shape(step.dst.box(g[0]))
+        out.update(world.all_gather(g, {r: pieces[r] for r in mine}, dim, sizes, full, step.src.dtype))
+    return out
+
+
+def _reduce_scatter(step: Step, pieces, world):
+    dim = step.dst.nd_sbp[step.axes[0]].dim
+    out = {}
+    for g in step.groups:
+        mine = _local(g, world)
+        if mine:
+            sizes = [step.dst.box(r)[dim][1] for r in g]
+            out.update(world.reduce_scatter(g, {r: pieces[r] for r in mine}, dim, sizes))
+    return out
+
+
+def _all_reduce(step: Step, pieces, world):
+    out = {}
+    for g in step.groups:
+        mine = _local(g, world)
+        if mine:
+            out.update(world.all_reduce(g, {r: pieces[r] for r in mine}))
+    return out
+
+
+def _all_to_all(step: Step, pieces, world):
+    src, dst = step.src, step.dst
+    out = {}
+    for g in step.groups:
+        mine = _local(g, world)
+        if not mine:
+            continue
+        blocks = [[intersect(src.box(s), dst.box(d)) for d in g] for s in g]
+        zero = (0,) * len(src.shape)
+        shapes = [[_box_shape(b) if b else zero for b in row] for row in blocks]
+        chunks = {}
+        for i, s in enumerate(g):
+            if s in mine:
+                sbox = src.box(s)
+                chunks[s] = [take(pieces[s], relative(b, sbox)) if b else pieces[s].new_empty(shapes[i][j])
+                             for j, b in enumerate(blocks[i])]
+        received = world.all_to_all(g, chunks, shapes, src.dtype)
+        for j, d in enumerate(g):
+            if d in mine:
+                out[d] = _assemble(dst.box(d), [(blocks[i][j], received[d][i]) for i in range(len(g))],
+                                   dst.dtype, pieces[d].device)
+    return out
+
+
+def _assemble(box, parts, dtype, device) -> torch.Tensor:
+    """A piece of ``box`` filled from ``(block box, tensor)`` parts that tile it."""
+    out = torch.empty(_box_shape(box), dtype=dtype, device=device)
+    for b, t in parts:
+        if b is not None and t.numel():
+            take(out, relative(b, box)).copy_(t)
+    return out
+
+
+def _slice(step: Step, pieces, world):
+    return {r: take(t, relative(step.dst.box(r), step.src.box(r))).clone() for r, t in pieces.items()}
+
+
+def _to_partial(step: Step, pieces, world):
+    """S->P: each rank pads its block with zeros; B->P: the group's first rank keeps the value."""
+    x = step.src.nd_sbp[step.axes[0]]
+    out = {}
+    for g in step.groups:
+        for i, r in enumerate(g):
+            if not world.holds(r):
+                continue
+            t = pieces[r]
+            if x.is_broadcast:
+                out[r] = t.clone() if i == 0 else torch.zeros_like(t)
+            else:
+                dbox = step.dst.box(r)
+                z = t.new_zeros(_box_shape(dbox))
+                take(z, relative(step.src.box(r), dbox)).copy_(t)
+                out[r] = z
+    return out
+
+
+def _copy(step: Step, pieces, world):
+    device = lambda r: world.device(step.dst.placement.type, r)
+    return {r: pieces[r].to(device(r), copy=True) for r in step.groups[0] if world.holds(r)}
+
+
+def _broadcast(step: Step, pieces, world):
+    g = step.groups[0]
+    mine = _local(g, world)
+    if not mine:
+        return {}
+    got = world.broadcast(g, step.root, {r: pieces[r] for r in mine if r == step.root},
+                          tuple(step.src.shape), step.src.dtype, step.src.placement.type)
+    return {r: got[r].to(world.device(step.dst.placement.type, r)) for r in mine if r in step.dst.placement}
+
+
+def _send_recv(step: Step, pieces, world):
+    src, dst = step.src, step.dst
+    payload = {i: take(pieces[t.src], relative(intersect(src.box(t.src), dst.box(t.dst)), src.box(t.src)))
+               for i, t in enumerate(step.transfers) if world.holds(t.src)}
+    got = world.send_recv(step.transfers, payload, src.dtype, src.placement.type)
+    out = {}
+    for r in dst.placement.rank_list():
+        if not world.holds(r):
+            continue
+        box = dst.box(r)
+        parts = [(intersect(src.box(t.src), box), got[i]) for i, t in enumerate(step.transfers) if t.dst == r]
+        out[r] = _assemble(box, parts, dst.dtype, world.device(dst.placement.type, r)) if box else (
+            parts[0][1].to(world.device(dst.placement.type, r), copy=True))
+    return out
+
+
+_RUNNERS = {
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
+    "slice": _slice,
+    "to_partial": _to_partial,
+    "copy": _copy,
+    "broadcast": _broadcast,
+    "send_recv": _send_recv,
+}

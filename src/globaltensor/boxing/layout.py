@@ -1,0 +1,81 @@
+"""Layouts: a logical tensor's global meta together with where and how its pieces lie."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+import torch
+
+from ..placement import Placement
+from ..sbp.shape import numel, piece_ranges
+
+
+@dataclass(frozen=True)
+class Layout:
+    shape: tuple
+    dtype: torch.dtype
+    placement: Placement
+    nd_sbp: tuple
+
+    def box(self, rank: int) -> tuple:
+        """(start, length) per dim of ``rank``'s piece."""
+        return piece_ranges(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
+
+    def piece_shape(self, rank: int) -> tuple:
+        return tuple(l for _, l in self.box(rank))
+
+    def with_sbp(self, nd_sbp: tuple) -> "Layout":
+        return Layout(self.shape, self.dtype, self.placement, tuple(nd_sbp))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def piece_bytes(self, rank: int) -> int:
+        return numel(self.piece_shape(rank)) * self.itemsize
+
+    @property
+    def has_partial(self) -> bool:
+        return any(v.is_partial for v in self.nd_sbp)
+
+
+def axis_groups(placement: Placement, axes: tuple) -> list:
+    """The groups of ranks that vary along ``axes`` with the other coordinates fixed.
+
+    Members of a group are in row-major order over ``axes``; groups are in row-major order
+    over the other axes, so every process enumerates them identically.
+    """
+    ranks = placement.ranks
+    others = [a for a in range(ranks.ndim) if a not in axes]
+    groups = []
+    for fixed in product(*(range(ranks.shape[a]) for a in others)):
+        index = [slice(None)] * ranks.ndim
+        for a, i in zip(others, fixed):
+            index[a] = i
+        sub = ranks[tuple(index)]
+        groups.append(tuple(int(r) for r in sub.reshape(-1)))
+    return groups
+
+
+def intersect(a: tuple, b: tuple):
+    """Intersection of two boxes ((start, length) per dim), or None when it is empty."""
+    out = []
+    for (s1, l1), (s2, l2) in zip(a, b):
+        s, e = max(s1, s2), min(s1 + l1, s2 + l2)
+        if e <= s:
+            return None
+        out.append((s, e - s))
+    return tuple(out)
+
+
+def relative(inner: tuple, outer: tuple) -> tuple:
+    """``inner`` expressed in the coordinates of ``outer``."""
+    return tuple((s - so, l) for (s, l), (so, _) in zip(inner, outer))
+
+
+def take(t: torch.Tensor, rel: tuple) -> torch.Tensor:
+    """The sub-block ``rel`` ((start, length) per dim) of ``t``, as a view."""
+    for d, (s, l) in enumerate(rel):
+        if s != 0 or l != t.shape[d]:
+            t = t.narrow(d, s, l)
+    return t

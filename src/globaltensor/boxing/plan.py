@@ -1,0 +1,72 @@
+"""Plans: the steps of a boxing, with the bytes each rank sends in each, known before running."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .layout import Layout
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One boxing step from layout ``src`` to layout ``dst``.
+
+    ``op`` is a collective (see COLLECTIVES) or a local op: ``slice`` (B->S), ``to_partial``
+    (S->P, B->P), ``copy`` (rank-local moves between placements). Same-placement steps work
+    on the groups along ``axes``; ``groups`` lists the groups of ranks in the order every
+    rank issues them. ``bytes_per_rank`` is what each rank sends, as gt.comm_stats counts it.
+    """
+    op: str
+    src: Layout
+    dst: Layout
+    axes: tuple
+    groups: tuple
+    bytes_per_rank: tuple = field(default=())
+    transfers: tuple = field(default=())
+    root: int = -1
+
+    @property
+    def is_collective(self) -> bool:
+        return self.op in COLLECTIVES
+
+    @property
+    def bytes(self) -> int:
+        return max((b for _, b in self.bytes_per_rank), default=0)
+
+    def __repr__(self) -> str:
+        what = f"{self.src.nd_sbp}->{self.dst.nd_sbp}"
+        if self.src.placement != self.dst.placement:
+            what = f"{self.src.placement} {self.src.nd_sbp} -> {self.dst.placement} {self.dst.nd_sbp}"
+        groups = ", ".join(str(list(g)) for g in self.groups)
+        return f"{self.op}[{what}] groups={groups} bytes={self.bytes}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    src: Layout
+    dst: Layout
+    steps: tuple
+
+    @property
+    def bytes_per_rank(self) -> dict:
+        out = {}
+        for s in self.steps:
+            for r, b in s.bytes_per_rank:
+                out[r] = out.get(r, 0) + b
+        return out
+
+    @property
+    def bytes(self) -> int:
+        """The most bytes any one rank sends over the whole plan."""
+        return max(self.bytes_per_rank.values(), default=0)
+
+    @property
+    def collectives(self) -> list:
+        return [s.op for s in self.steps if s.is_collective]
+
+    def __repr__(self) -> str:
+        lines = [f"Plan {self.src.nd_sbp} on {self.src.placement} -> {self.dst.nd_sbp} on {self.dst.placement}"
+                 f" shape={tuple(self.src.shape)}: {self.bytes} bytes"]
+        lines += [f"  {i}. {s!r}" for i, s in enumerate(self.steps)] or ["  (nothing to do)"]
+        return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""ProcessWorld: one rank per process over torch.distributed (gloo on cpu, NCCL on cuda).
+
+Initialised from MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK / LOCAL_RANK on first use,
+or taken over from an already-initialised default group. Sub-groups are created lazily by
+their members only (local synchronisation, named by their ranks), cached, and -- because
+every member issues the same collectives in the same order -- created in the same order on
+every member. A failing or timed-out collective raises an error naming the rank and the op.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .world import World
+
+
+def collective_timeout() -> timedelta:
+    """``GT_COLLECTIVE_TIMEOUT`` seconds (default 300): how long a collective may wait for peers."""
+    return timedelta(seconds=float(os.environ.get("GT_COLLECTIVE_TIMEOUT", "300")))
+
+
+class ProcessWorld(World):
+    simulated = False
+
+    def __init__(self):
+        if not dist.is_initialized():
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if v not in os.environ]
+            if missing:
+                raise RuntimeError(f"process world: environment variables {missing} are not set")
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, timeout=collective_timeout())
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.local_ranks = (self.rank,)
+        self._local_set = frozenset(self.local_ranks)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._groups = {}
+
+    def device(self, device_type: str, rank: int) -> torch.device:
+        return torch.device("cpu") if device_type == "cpu" else torch.device("cuda", self.local_rank)
+
+    # -- groups ---------------------------------------------------------------------------
+    def _pg(self, group: tuple):
+        """The process group of ``group`` and, for each member in ``group`` order, its group rank."""
+        key = tuple(sorted(group))
+        entry = self._groups.get(key)
+        if entry is None:
+            if key == tuple(range(self.size)):
+                pg = dist.group.WORLD
+            else:
+                pg = dist.new_group(list(key), use_local_synchronization=True, timeout=collective_timeout())
+            entry = self._groups[key] = pg
+        return entry, [key.index(r) for r in group]
+
+    def _run(self, op: str, group: tuple, fn):
+        try:
+            return fn()
+        except Exception as e:
+            raise RuntimeError(f"globaltensor: rank {self.rank}: collective {op} over ranks {list(group)} failed: {e}") from e
+
+    # -- collectives ----------------------------------------------------------------------
+    def _all_gather(self, group, pieces, dim, sizes):
+        me = self.rank
+        x = pieces[me]
+        pg, order = self._pg(group)
+        width = max(sizes)
+        if x.shape[dim] < width:
+            pad = list(x.shape)
+            pad[dim] = width - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+        x = x.contiguous()
+        even = all(s == width for s in sizes)
+        if dim == 0 and even and order == sorted(order):
+            out = x.new_empty((width * len(group),) + tuple(x.shape[1:]))
+            self._run("all_gather", group, lambda: dist.all_gather_into_tensor(out, x, group=pg))
+            return {me: out}
+        bufs = [torch.empty_like(x) for _ in group]
+        self._run("all_gather", group, lambda: dist.all_gather(bufs, x, group=pg))
+        parts = [bufs[order[i]].narrow(dim, 0, sizes[i]) for i in range(len(group))]
+        return {me: torch.cat(parts, dim=dim)}
+
+    def _reduce_scatter(self, group, pieces, dim, sizes):
+        me = self.rank
+        x = pieces[me]
+        pg, order = self._pg(group)
+        i_me = group.index(me)
+        if x.is_cuda:
+            parts = list(torch.split(x, list(sizes), dim=dim))
+            inputs = [None] * len(group)
+            for i, p in enumerate(parts):
+                inputs[order[i]] = p.contiguous()
+            out = torch.empty_like(inputs[order[i_me]])
+            self._run("reduce_scatter", group, lambda: dist.reduce_scatter(out, inputs, group=pg))
+            return {me: out}
+        # gloo: an all-to-all of the parts and a local sum beats its reduce-scatter.
+        shapes = []
+        for s in sizes:
+            shp = list(x.shape)
+            shp[dim] = s
+            shapes.append(tuple(shp))
+        recv = self._all_to_all(group, {me: list(torch.split(x, list(sizes), dim=dim))},
+                                [[shapes[j] for j in range(len(group))] for _ in group], x.dtype)[me]
+        out = recv[0].clone()
+        for t in recv[1:]:
+            out.add_(t)
+        return {me: out}
+
+    def _all_reduce(self, group, pieces):
+        me = self.rank
+        pg, _ = self._pg(group)
+        t = pieces[me].clone(memory_format=torch.contiguous_format)
+        self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg))
+        return {me: t}
+
+    def _all_to_all(self, group, chunks, shapes, dtype):
+        me = self.rank
+        pg, order = self._pg(group)
+        i_me = group.index(me)
+        mine = chunks[me]
+        device = mine[0].device
+        inputs = [None] * len(group)
+        outputs = [None] * len(group)
+        for j in range(len(group)):
+            inputs[order[j]] = mine[j].contiguous()
+            outputs[order[j]] = torch.empty(shapes[j][i_me], dtype=dtype, device=device)
+        self._run("all_to_all", group, lambda: dist.all_to_all(outputs, inputs, group=pg))
+        return {me: [outputs[order[j]] for j in range(len(group))]}
+
+    def _broadcast(self, group, src, pieces, shape, dtype, device_type):
+        me = self.rank
+        pg, _ = self._pg(group)
+        if me == src:
+            t = pieces[me].clone(memory_format=torch.contiguous_format)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=self.device(device_type, me))
+        if len(group) > 1:
+            self._run("broadcast", group, lambda: dist.broadcast(t, src, group=pg))
+        return {me: t}
+
+    def _send_recv(self, transfers, payload, dtype, device_type):
+        me = self.rank
+        device = self.device(device_type, me)
+        ops, out = [], {}
+        for i, t in enumerate(transfers):
+            if t.src == me and t.dst == me:
+                out[i] = payload[i].to(device)
+            elif t.src == me and payload[i].numel():
+                ops.append(dist.P2POp(dist.isend, payload[i].contiguous(), t.dst, tag=i))
+            elif t.dst == me:
+                out[i] = torch.empty(t.shape, dtype=dtype, device=device)
+                if out[i].numel():
+                    ops.append(dist.P2POp(dist.irecv, out[i], t.src, tag=i))
+        if ops:
+            peers = sorted({t.src for t in transfers} | {t.dst for t in transfers})
+            self._run("send_recv", tuple(peers), lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
+        return out

@@ -1,0 +1,51 @@
+"""SimulatedWorld: n ranks in this process; a collective is a few local tensor ops."""
+from __future__ import annotations
+
+import torch
+
+from .world import World
+
+
+class SimulatedWorld(World):
+    simulated = True
+
+    def __init__(self, size: int, cuda_device: int = 0):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"simulate(n): expected a positive number of ranks, got {size!r}")
+        self.size = size
+        self.local_ranks = tuple(range(size))
+        self._local_set = frozenset(self.local_ranks)
+        self._cuda_device = cuda_device
+
+    def device(self, device_type: str, rank: int) -> torch.device:
+        return torch.device("cpu") if device_type == "cpu" else torch.device("cuda", self._cuda_device)
+
+    def _all_gather(self, group, pieces, dim, sizes):
+        full = torch.cat([pieces[r] for r in group], dim=dim)
+        return {r: full if i == 0 else full.clone() for i, r in enumerate(group)}
+
+    def _reduce_scatter(self, group, pieces, dim, sizes):
+        total = _sum([pieces[r] for r in group])
+        parts = torch.split(total, list(sizes), dim=dim)
+        return {r: parts[i].contiguous() for i, r in enumerate(group)}
+
+    def _all_reduce(self, group, pieces):
+        total = _sum([pieces[r] for r in group])
+        return {r: total if i == 0 else total.clone() for i, r in enumerate(group)}
+
+    def _all_to_all(self, group, chunks, shapes, dtype):
+        return {r: [chunks[s][i] for s in group] for i, r in enumerate(group)}
+
+    def _broadcast(self, group, src, pieces, shape, dtype, device_type):
+        t = pieces[src]
+        return {r: t.to(self.device(device_type, r), copy=True) for r in group}
+
+    def _send_recv(self, transfers, payload, dtype, device_type):
+        return {i: payload[i].to(self.device(device_type, t.dst)) for i, t in enumerate(transfers)}
+
+
+def _sum(ts):
+    out = ts[0].clone()
+    for t in ts[1:]:
+        out.add_(t)
+    return out

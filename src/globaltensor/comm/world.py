@@ -1,0 +1,124 @@
+"""The World: one collective interface over ``{rank: tensor}`` pieces.
+
+A world holds some ranks in this process (all of them when simulated, one when launched as
+processes). Every collective takes a *group* (a tuple of global ranks, in a fixed order)
+and the pieces of the group's ranks that live here, and returns the results for those
+ranks. Callers give the global meta (shapes, dtype) so that every process can count the
+bytes of every rank the same way; the base class does the counting and the subclasses
+move the data.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..sbp.shape import balanced_sizes, numel
+from . import stats
+
+Pieces = Dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message: ``src`` sends a tensor of ``shape`` to ``dst``."""
+    src: int
+    dst: int
+    shape: tuple
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _slab_bytes(shape: tuple, dim: int, dtype) -> int:
+    """Bytes of one index along ``dim``."""
+    return numel(shape[:dim] + shape[dim + 1:]) * _itemsize(dtype)
+
+
+class World(ABC):
+    size: int
+    local_ranks: tuple
+    simulated: bool
+
+    def holds(self, rank: int) -> bool:
+        return rank in self._local_set
+
+    @abstractmethod
+    def device(self, device_type: str, rank: int) -> torch.device:
+        """The torch device that holds ``rank``'s pieces of a placement of ``device_type``."""
+
+    # -- collectives: count, then move -------------------------------------------------
+    def all_gather(self, group: tuple, pieces: Pieces, dim: int, sizes: Sequence[int], full_shape: tuple,
+                   dtype) -> Pieces:
+        """Concatenate the members' pieces (``sizes[i]`` long along ``dim``) into ``full_shape``; all get it."""
+        slab = _slab_bytes(full_shape, dim, dtype)
+        stats.record("all_gather", group, stats.ring_bytes(group, [s * slab for s in sizes]))
+        return self._all_gather(group, pieces, dim, sizes)
+
+    def reduce_scatter(self, group: tuple, pieces: Pieces, dim: int, sizes: Sequence[int]) -> Pieces:
+        """Sum the members' full tensors; member i keeps the i-th part (``sizes[i]`` long) along ``dim``."""
+        t = next(iter(pieces.values()))
+        slab = _slab_bytes(tuple(t.shape), dim, t.dtype)
+        stats.record("reduce_scatter", group, stats.ring_bytes(group, [s * slab for s in sizes]))
+        return self._reduce_scatter(group, pieces, dim, sizes)
+
+    def all_reduce(self, group: tuple, pieces: Pieces) -> Pieces:
+        """Every member gets the sum of the members' tensors."""
+        t = next(iter(pieces.values()))
+        chunk = [s * t.element_size() for s in balanced_sizes(t.numel(), len(group))]
+        stats.record("all_reduce", group, {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()})
+        return self._all_reduce(group, pieces)
+
+    def all_to_all(self, group: tuple, chunks: Dict[int, List[torch.Tensor]], shapes: Sequence[Sequence[tuple]],
+                   dtype) -> Dict[int, List[torch.Tensor]]:
+        """Member i sends ``chunks[group[i]][j]`` to member j; returns, per member, what each member sent it.
+
+        ``shapes[i][j]`` is the shape member i sends member j, known on every process.
+        """
+        size = _itemsize(dtype)
+        stats.record("all_to_all", group, {
+            r: sum(numel(shapes[i][j]) for j in range(len(group)) if j != i) * size for i, r in enumerate(group)})
+        return self._all_to_all(group, chunks, shapes, dtype)
+
+    def broadcast(self, group: tuple, src: int, pieces: Pieces, shape: tuple, dtype, device_type: str) -> Pieces:
+        """Every member gets ``src``'s tensor of ``shape``; ``pieces`` holds ``src``'s tensor if it is here."""
+        stats.record("broadcast", group, {src: numel(shape) * _itemsize(dtype)} if len(group) > 1 else {src: 0})
+        return self._broadcast(group, src, pieces, shape, dtype, device_type)
+
+    def send_recv(self, transfers: Sequence[Transfer], payload: Dict[int, torch.Tensor], dtype,
+                  device_type: str) -> Dict[int, torch.Tensor]:
+        """Run the transfers at once; ``payload`` maps a transfer's index to the tensor its src sends.
+
+        Returns index -> received tensor, for the transfers whose dst lives here. Transfers
+        with src == dst are handed over without communication.
+        """
+        size = _itemsize(dtype)
+        sent: Dict[int, int] = {}
+        for t in transfers:
+            if t.src != t.dst:
+                sent[t.src] = sent.get(t.src, 0) + numel(t.shape) * size
+        if sent:
+            stats.record("send_recv", tuple(sorted({t.src for t in transfers} | {t.dst for t in transfers})), sent)
+        return self._send_recv(transfers, payload, dtype, device_type)
+
+    # -- implementations ----------------------------------------------------------------
+    @abstractmethod
+    def _all_gather(self, group, pieces, dim, sizes) -> Pieces: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, group, pieces, dim, sizes) -> Pieces: ...
+
+    @abstractmethod
+    def _all_reduce(self, group, pieces) -> Pieces: ...
+
+    @abstractmethod
+    def _all_to_all(self, group, chunks, shapes, dtype): ...
+
+    @abstractmethod
+    def _broadcast(self, group, src, pieces, shape, dtype, device_type) -> Pieces: ...
+
+    @abstractmethod
+    def _send_recv(self, transfers, payload, dtype, device_type): ...

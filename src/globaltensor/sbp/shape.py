@@ -1,0 +1,47 @@
+"""The shape algebra of balanced splits.
+
+A dim of ``n`` over ``k`` ranks gives the first ``n % k`` ranks ``ceil(n/k)`` and the rest
+``floor(n/k)``. Under an nd-SBP the axes that split the same dim cut it one after the
+other, in axis order: axis 0 cuts the dim, axis 1 cuts each of those parts again, ...
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+def balanced_sizes(n: int, k: int) -> tuple:
+    q, r = divmod(n, k)
+    return tuple(q + 1 if i < r else q for i in range(k))
+
+
+def balanced_range(n: int, k: int, i: int) -> tuple:
+    """(start, length) of part ``i`` when ``n`` is split over ``k``."""
+    q, r = divmod(n, k)
+    return (i * q + min(i, r), q + 1 if i < r else q)
+
+
+@lru_cache(maxsize=65536)
+def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
+    """(start, length) per tensor dim of the piece held at ``coord`` of the hierarchy."""
+    ranges = [(0, n) for n in shape]
+    for axis, v in enumerate(nd_sbp):
+        if v.is_split:
+            start, length = ranges[v.dim]
+            s, l = balanced_range(length, hierarchy[axis], coord[axis])
+            ranges[v.dim] = (start + s, l)
+    return tuple(ranges)
+
+
+def piece_shape(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
+    return tuple(l for _, l in piece_ranges(shape, hierarchy, nd_sbp, coord))
+
+
+def piece_offset(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
+    return tuple(s for s, _ in piece_ranges(shape, hierarchy, nd_sbp, coord))
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

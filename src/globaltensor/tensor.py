@@ -1,0 +1,306 @@
+"""GlobalTensor: a torch.Tensor wrapper subclass holding a logical tensor's global meta and pieces.
+
+The wrapper's own shape, dtype and device are the logical tensor's; ``_pieces`` maps each
+rank of the placement that lives in this process to its local piece. Ops on it go through
+``__torch_dispatch__``, which the ops layer installs with :func:`set_dispatcher`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .boxing import Layout, execute, plan_boxing
+from .comm import get_world
+from .placement import Placement
+from .sbp import as_nd_sbp, broadcast
+from .sbp.shape import piece_shape
+
+_dispatcher: Optional[Callable] = None
+
+
+def set_dispatcher(fn: Callable) -> None:
+    """Install the function that runs torch ops on global tensors (the ops layer's)."""
+    global _dispatcher
+    _dispatcher = fn
+
+
+def _device(placement: Placement) -> torch.device:
+    world = get_world()
+    return world.device(placement.type, world.local_ranks[0])
+
+
+class GlobalTensor(torch.Tensor):
+    _layout: Layout
+    _pieces: dict
+
+    @staticmethod
+    def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, layout.shape, dtype=layout.dtype, device=_device(layout.placement), requires_grad=requires_grad)
+        t._layout = layout
+        t._pieces = pieces
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if _dispatcher is None:
+            raise RuntimeError(f"globaltensor: no op dispatcher is installed to run {func}")
+        return _dispatcher(func, types, args, kwargs or {})
+
+    # -- meta -----------------------------------------------------------------------------
+    @property
+    def placement(self) -> Placement:
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> tuple:
+        return self._layout.nd_sbp
+
+    @property
+    def is_global(self) -> bool:
+        return True
+
+    @property
+    def layout_meta(self) -> Layout:
+        return self._layout
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
+                f"sbp={self.sbp}{grad})")
+
+    # -- local views ----------------------------------------------------------------------
+    def local_tensors(self) -> dict:
+        """``{rank: piece}`` for every rank of the placement that lives in this process."""
+        return dict(self._pieces)
+
+    def to_local(self, rank: Optional[int] = None) -> torch.Tensor:
+        """This rank's piece (``rank=`` picks one in a simulated world); empty outside the placement."""
+        return _ToLocal.apply(self, _pick_rank(rank))
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole logical value as a plain tensor, on every rank (differentiable)."""
+        whole = self.to_global(sbp=(broadcast,) * self.placement.ndim)
+        world = get_world()
+        if not set(world.local_ranks) <= set(self.placement.rank_list()):
+            everywhere = Placement(self.placement.type, list(range(world.size)))
+            whole = whole.to_global(placement=everywhere, sbp=broadcast)
+        return whole.to_local()
+
+    def numpy(self, *, force: bool = False):
+        return self.full_tensor().detach().cpu().numpy()
+
+    def tolist(self):
+        return self.full_tensor().tolist()
+
+    def item(self):
+        return self.full_tensor().item()
+
+    # -- conversion -----------------------------------------------------------------------
+    def to_global(self, placement: Optional[Placement] = None, sbp=None, *, grad_sbp=None) -> "GlobalTensor":
+        """Box to ``placement`` / ``sbp`` (either may be left out to keep it); differentiable.
+
+        The gradient comes back in this tensor's layout (partial axes as broadcast) unless
+        ``grad_sbp`` names another.
+        """
+        placement = self.placement if placement is None else _check_placement(placement)
+        if sbp is None:
+            if placement.ndim != self.placement.ndim:
+                raise ValueError(f"to_global: sbp is required when the placement changes from "
+                                 f"{self.placement.ndim} to {placement.ndim} dims")
+            sbp = self.sbp
+        nd = as_nd_sbp(sbp, placement.ndim, self.dim(), "to_global(sbp)")
+        target = Layout(tuple(self.shape), self.dtype, placement, nd)
+        grad_layout = None
+        if grad_sbp is not None:
+            grad_layout = self._layout.with_sbp(as_nd_sbp(grad_sbp, self.placement.ndim, self.dim(), "grad_sbp"))
+        return _Box.apply(self, target, grad_layout)
+
+
+def _pick_rank(rank: Optional[int]) -> int:
+    world = get_world()
+    if rank is None:
+        return world.local_ranks[0]
+    if not world.holds(rank):
+        raise ValueError(f"to_local(rank={rank}): rank {rank} does not live in this process "
+                         f"(it holds ranks {list(world.local_ranks)})")
+    return rank
+
+
+def _check_placement(placement) -> Placement:
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement: expected a globaltensor placement, got {placement!r}")
+    return placement
+
+
+def box(t: GlobalTensor, target: Layout) -> GlobalTensor:
+    """Run the boxing from ``t``'s layout to ``target`` (no autograd)."""
+    if t._layout == target:
+        return GlobalTensor(target, dict(t._pieces))
+    pieces = execute(plan_boxing(t._layout, target), t._pieces, get_world())
+    return GlobalTensor(target, pieces)
+
+
+def gradient_layout(layout: Layout) -> Layout:
+    """The layout a gradient takes by default: the tensor's own, partial axes as broadcast."""
+    if not layout.has_partial:
+        return layout
+    return layout.with_sbp(tuple(broadcast if v.is_partial else v for v in layout.nd_sbp))
+
+
+class _Box(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, grad_layout):
+        ctx.grad_layout = grad_layout or gradient_layout(x._layout)
+        return box(x, target)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return box_like(grad, ctx.grad_layout), None, None
+
+
+def box_like(grad, layout: Layout) -> GlobalTensor:
+    """Bring a gradient (global, or plain and so broadcast) to ``layout``."""
+    if not isinstance(grad, GlobalTensor):
+        grad = replicate(grad, layout.placement)
+    return box(grad, layout)
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rank):
+        ctx.layout = x._layout
+        ctx.rank = rank
+        piece = x._pieces.get(rank)
+        if piece is None:
+            return torch.empty(0, dtype=x.dtype, device=_device(x.placement))
+        return piece.view_as(piece)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        pieces = {r: grad if r == ctx.rank else torch.zeros(layout.piece_shape(r), dtype=grad.dtype,
+                                                             device=grad.device)
+                  for r in layout.placement.rank_list() if get_world().holds(r)}
+        return GlobalTensor(layout, pieces), None
+
+
+def replicate(t: torch.Tensor, placement: Placement) -> GlobalTensor:
+    """A plain tensor, equal on every rank, as a broadcast global tensor on ``placement`` (no copy)."""
+    world = get_world()
+    layout = Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim)
+    pieces = {r: t.to(world.device(placement.type, r)) for r in placement.rank_list() if world.holds(r)}
+    return GlobalTensor(layout, pieces)
+
+
+def _global_shape_from_pieces(local: torch.Tensor, placement: Placement, nd: tuple) -> tuple:
+    """The logical shape from this rank's piece: exchanged with one small collective when split."""
+    world = get_world()
+    split_axes = [a for a, v in enumerate(nd) if v.is_split]
+    if not split_axes:
+        return tuple(local.shape)
+    if world.simulated:
+        shape = list(local.shape)
+        for a in split_axes:
+            shape[nd[a].dim] *= placement.hierarchy[a]
+        return tuple(shape)
+    group = placement.rank_list()
+    mine = torch.tensor(list(local.shape), dtype=torch.int64)
+    sizes = [1] * len(group)
+    gathered = world.all_gather(group, {world.rank: mine.view(1, -1)}, 0, sizes, (len(group), local.dim()),
+                                torch.int64)[world.rank]
+    shapes = {r: tuple(int(v) for v in gathered[i]) for i, r in enumerate(group)}
+    shape = list(local.shape)
+    for d in {nd[a].dim for a in split_axes}:
+        axes = [a for a in split_axes if nd[a].dim == d]
+        shape[d] = sum(s[d] for r, s in shapes.items()
+                       if all(placement.coord(r)[b] == 0 for b in range(placement.ndim) if b not in axes))
+    for r, s in shapes.items():
+        expected = piece_shape(tuple(shape), placement.hierarchy, nd, placement.coord(r))
+        if s != expected:
+            raise ValueError(f"to_global: rank {r}'s local tensor has shape {s}, but {nd} of the logical shape "
+                             f"{tuple(shape)} gives it {expected}; pieces must follow the balanced split")
+    return tuple(shape)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, layout, pieces):
+        ctx.layout = layout
+        return GlobalTensor(layout, pieces)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = box_like(grad, gradient_layout(ctx.layout))
+        return g._pieces.get(get_world().local_ranks[0], torch.zeros(0)), None, None
+
+
+def to_global(t: torch.Tensor, placement: Optional[Placement] = None, sbp=None, *, shape=None,
+              grad_sbp=None) -> GlobalTensor:
+    """A local tensor as this rank's piece of a global tensor, or a global tensor boxed to a new layout.
+
+    From a local tensor: split pieces are concatenated, broadcast replicas taken as equal,
+    partial pieces summed. In a simulated world the local tensor is every rank's piece.
+    """
+    if isinstance(t, GlobalTensor):
+        return t.to_global(placement, sbp, grad_sbp=grad_sbp)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"to_global: expected a torch.Tensor, got {type(t).__name__}")
+    if placement is None or sbp is None:
+        raise ValueError("to_global: a local tensor needs both placement= and sbp=")
+    placement = _check_placement(placement)
+    nd = as_nd_sbp(sbp, placement.ndim, t.dim(), "to_global(sbp)")
+    _check_device(t, placement)
+    if shape is None:
+        shape = _global_shape_from_pieces(t, placement, nd)
+    layout = Layout(tuple(shape), t.dtype, placement, nd)
+    world = get_world()
+    held = [r for r in placement.rank_list() if world.holds(r)]
+    pieces = {r: (t if i == 0 else t.clone()) for i, r in enumerate(held)}
+    for r in held:
+        if tuple(pieces[r].shape) != layout.piece_shape(r):
+            raise ValueError(f"to_global: rank {r}'s local tensor has shape {tuple(pieces[r].shape)}, "
+                             f"expected {layout.piece_shape(r)} for {nd} of shape {tuple(shape)}")
+    return _FromLocal.apply(t, layout, pieces)
+
+
+def _check_device(t: torch.Tensor, placement: Placement) -> None:
+    if t.device.type != placement.type:
+        raise ValueError(f"to_global: the local tensor is on {t.device.type}, the placement is {placement.type}; "
+                         f"move it with .to('{placement.type}') first")
+
+
+def distribute(t: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
+    """``t`` is the whole logical tensor (equal on every rank); each rank keeps its own slice."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, GlobalTensor):
+        raise TypeError(f"distribute: expected a plain torch.Tensor, got {type(t).__name__}")
+    placement = _check_placement(placement)
+    nd = as_nd_sbp(sbp, placement.ndim, t.dim(), "distribute(sbp)")
+    if t.device.type != placement.type:
+        t = t.to(get_world().device(placement.type, get_world().local_ranks[0]))
+    source = _Replicate.apply(t, placement)
+    return source.to_global(placement, nd)
+
+
+class _Replicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, placement):
+        ctx.device = t.device
+        return replicate(t, placement)
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = grad.full_tensor() if isinstance(grad, GlobalTensor) else grad
+        return whole.to(ctx.device), None
+
+
+def install_tensor_methods() -> None:
+    """The drop-in form: ``torch.Tensor.to_global`` and ``is_global`` on plain tensors."""
+    if not hasattr(torch.Tensor, "is_global") or not isinstance(getattr(torch.Tensor, "is_global"), property):
+        torch.Tensor.is_global = property(lambda self: False)
+
+    def tensor_to_global(self, placement=None, sbp=None, **kwargs):
+        return to_global(self, placement, sbp, **kwargs)
+
+    torch.Tensor.to_global = tensor_to_global
