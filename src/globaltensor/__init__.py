@@ -11,6 +11,9 @@ from .boxing import Plan, Step
 from .comm import comm_stats, get_world, rank, simulate, world_size
 from .placement import Placement, placement
 from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
+from .ops import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
+from .ops import rules as _rules  # noqa: F401  (registers the SBP rules)
+from .ops.registry import register_rule
 from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from .inspect import boxing_plan
 
@@ -21,5 +24,5 @@ __version__ = "0.1.0"
 __all__ = [
     "sbp", "placement", "Placement", "GlobalTensor", "to_global", "distribute", "simulate", "rank", "world_size",
     "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
-    "boxing_plan", "Plan", "Step",
+    "boxing_plan", "Plan", "Step", "register_rule",
 ]

@@ -30,9 +30,13 @@ def _device(placement: Placement) -> torch.device:
     return world.device(placement.type, world.local_ranks[0])
 
 
+_grad_slot = torch._C.TensorBase.grad
+
+
 class GlobalTensor(torch.Tensor):
     _layout: Layout
     _pieces: dict
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False):
@@ -69,6 +73,26 @@ class GlobalTensor(torch.Tensor):
         grad = ", requires_grad=True" if self.requires_grad else ""
         return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
                 f"sbp={self.sbp}{grad})")
+
+    @property
+    def grad(self):
+        """The gradient in this tensor's layout (partial axes as broadcast): an accumulated
+        partial gradient is reduced here, once, when it is read."""
+        g = _grad_slot.__get__(self)
+        if isinstance(g, GlobalTensor):
+            want = getattr(self, "_grad_layout", None) or gradient_layout(self._layout)
+            if g._layout != want:
+                g = box(g, want)
+                _grad_slot.__set__(self, g)
+        return g
+
+    @grad.setter
+    def grad(self, value):
+        _grad_slot.__set__(self, value)
+
+    @grad.deleter
+    def grad(self):
+        _grad_slot.__set__(self, None)
 
     # -- local views ----------------------------------------------------------------------
     def local_tensors(self) -> dict:

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..sbp.shape import numel
 from .world import World
 
 
@@ -121,13 +122,17 @@ class ProcessWorld(World):
         i_me = group.index(me)
         mine = chunks[me]
         device = mine[0].device
-        inputs = [None] * len(group)
-        outputs = [None] * len(group)
-        for j in range(len(group)):
-            inputs[order[j]] = mine[j].contiguous()
-            outputs[order[j]] = torch.empty(shapes[j][i_me], dtype=dtype, device=device)
-        self._run("all_to_all", group, lambda: dist.all_to_all(outputs, inputs, group=pg))
-        return {me: [outputs[order[j]] for j in range(len(group))]}
+        # One flat buffer each way, in group-rank order: gloo's list all_to_all needs every
+        # tensor to have the same shape, its all_to_all_single takes uneven split sizes.
+        by_group_rank = sorted(range(len(group)), key=lambda j: order[j])
+        send = torch.cat([mine[j].reshape(-1) for j in by_group_rank]) if mine else torch.empty(0, dtype=dtype)
+        send_sizes = [mine[j].numel() for j in by_group_rank]
+        recv_sizes = [numel(shapes[j][i_me]) for j in by_group_rank]
+        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        self._run("all_to_all", group,
+                  lambda: dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg))
+        parts = dict(zip(by_group_rank, torch.split(recv, recv_sizes)))
+        return {me: [parts[j].view(shapes[j][i_me]) for j in range(len(group))]}
 
     def _broadcast(self, group, src, pieces, shape, dtype, device_type):
         me = self.rank

@@ -1,0 +1,69 @@
+"""The fallback for ops without a rule: gather every input to broadcast, run on each replica.
+
+Correct for any op (data-dependent output shapes included) at the price of the gathers;
+warns once per op so the missing rule is visible.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..boxing import Layout
+from ..comm import get_world
+from ..sbp import broadcast
+from ..tensor import GlobalTensor, box, replicate
+
+_warned: set = set()
+
+
+def _warn_once(func) -> None:
+    if func not in _warned:
+        _warned.add(func)
+        warnings.warn(f"globaltensor: {func} has no SBP rule; its inputs are gathered to broadcast "
+                      f"and it runs on every replica (register one with gt.register_rule)", stacklevel=4)
+
+
+def run_fallback(func, flat, spec):
+    _warn_once(func)
+    placement = next(v.placement for v in flat if isinstance(v, GlobalTensor))
+    b = (broadcast,) * placement.ndim
+    gathered = list(flat)
+    for i, v in enumerate(flat):
+        if isinstance(v, GlobalTensor):
+            gathered[i] = box(v, v._layout.with_sbp(b))
+        elif isinstance(v, torch.Tensor):
+            gathered[i] = replicate(v, placement)
+    world = get_world()
+    ranks = [r for r in placement.rank_list() if world.holds(r)]
+    per_rank = {}
+    for r in ranks:
+        local = [v._pieces[r] if isinstance(v, GlobalTensor) else v for v in gathered]
+        a, kw = tree_unflatten(local, spec)
+        per_rank[r] = tree_flatten(func(*a, **kw))
+    if not ranks:
+        raise RuntimeError(f"{func}: this process holds no rank of {placement}, so it cannot run the op "
+                           f"(it has no rule; ranks outside a placement skip only ops with rules)")
+    out_flat, out_spec = per_rank[ranks[0]]
+    result = []
+    for j, v in enumerate(out_flat):
+        if isinstance(v, torch.Tensor):
+            pieces = {r: per_rank[r][0][j] for r in ranks}
+            result.append(_write_into_input(func, flat, gathered, pieces) or
+                          GlobalTensor(Layout(tuple(v.shape), v.dtype, placement, b), pieces))
+        else:
+            result.append(v)
+    return tree_unflatten(result, out_spec)
+
+
+def _write_into_input(func, flat, gathered, pieces):
+    """An in-place op ran on gathered copies: write its result back into the original input."""
+    for orig, g in zip(flat, gathered):
+        if isinstance(orig, GlobalTensor) and all(pieces[r] is g._pieces.get(r) for r in pieces):
+            if any(g._pieces[r] is not orig._pieces.get(r) for r in pieces):
+                result = box(GlobalTensor(g._layout, pieces), orig._layout)
+                for r, piece in orig._pieces.items():
+                    piece.copy_(result._pieces[r])
+            return orig
+    return None

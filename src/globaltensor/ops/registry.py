@@ -1,0 +1,70 @@
+"""The rule registry: for each aten op, how to find its candidate SBP signatures.
+
+A rule is a function of the op's arguments -- tensors given as meta tensors of the global
+shape, everything else as passed -- returning candidate signatures for one placement axis
+(strings like ``"S(0), B -> S(0)"``), one entry per tensor input in argument order, then one
+per tensor output. ``(B, ..., B) -> B`` is always added. A rule may also give ``local``:
+a function rewriting the non-tensor arguments for one rank (a view's target shape, say),
+and ``check_shapes``: verify each rank's output piece has the balanced shape before the
+candidate is used (for ops whose pieces only line up on some shapes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Rule:
+    candidates: Callable
+    local: Optional[Callable] = None
+    check_shapes: bool = False
+
+
+RULES: dict = {}
+
+
+def _overloads(op) -> list:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def register_rule(ops, candidates=None, *, local=None, check_shapes=False):
+    """Register a rule for one op, an op packet (every overload) or a list of them.
+
+    ``candidates`` is a list of signature strings or a function of the op's arguments
+    returning one. Usable as a decorator: ``@register_rule(aten.mm)``.
+    """
+    def install(fn):
+        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes)
+        for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
+            for overload in _overloads(op):
+                RULES[overload] = rule
+        return fn
+    if candidates is None:
+        return install
+    install(candidates)
+    return candidates
+
+
+_TAGGED: list = []
+
+
+def register_tag_rule(tag, rule_fn) -> None:
+    """A rule for every op carrying ``tag`` (``torch.Tag.pointwise``) that has no rule of its own."""
+    _TAGGED.append((tag, Rule(rule_fn)))
+
+
+def find_rule(func) -> Optional[Rule]:
+    rule = RULES.get(func)
+    if rule is None:
+        for tag, tagged in _TAGGED:
+            if tag in func.tags:
+                RULES[func] = rule = tagged
+                break
+    return rule

@@ -1,0 +1,124 @@
+"""Shared test helpers.
+
+Launching: the session fixture ``launch`` gives :func:`launch`, ``launch(script, nproc)``, which
+runs a Python script -- source text or a path -- under ``python -m globaltensor.launch`` with
+``nproc`` gloo processes on 127.0.0.1 and a free port, a low collective timeout and a hard
+time limit, and returns a :class:`LaunchResult`. With ``check=True`` a failed job fails the
+test with the job's output, whose lines name their rank. The suite never hangs on a job: the
+launcher's own ``--timeout`` ends it first, and past that the launcher itself is stopped.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import pytest
+
+COLLECTIVE_TIMEOUT_S = 20
+JOB_TIMEOUT_S = 120
+OUTPUT_TAIL_LINES = 150
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+    command: List[str]
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def lines(self, rank: int) -> List[str]:
+        """The stdout lines of ``rank``, without their ``[rank N] `` prefix."""
+        prefix = f"[rank {rank}] "
+        return [line[len(prefix):] for line in self.stdout.splitlines() if line.startswith(prefix)]
+
+    def describe(self, tail: int = OUTPUT_TAIL_LINES) -> str:
+        def last(text):
+            lines = text.splitlines()
+            cut = len(lines) - tail
+            return ("[... %d lines ...]\n" % cut if cut > 0 else "") + "\n".join(lines[-tail:])
+        return (f"command: {' '.join(self.command)}\nexit code {self.returncode} after {self.elapsed:.1f} s\n"
+                f"--- stdout ---\n{last(self.stdout)}\n--- stderr ---\n{last(self.stderr)}")
+
+    def check(self) -> "LaunchResult":
+        if self.returncode != 0:
+            pytest.fail("launched job failed\n" + self.describe(), pytrace=False)
+        return self
+
+
+def run_job(cmd: Sequence[str], *, env: Optional[Dict[str, str]] = None, timeout: float = JOB_TIMEOUT_S,
+            cwd: Optional[str] = None) -> LaunchResult:
+    """Run ``cmd`` with a hard time limit; past it, SIGTERM (so a launcher tears its ranks down), then SIGKILL."""
+    start = time.monotonic()
+    proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        err += f"\n[test harness] killed the job after its hard limit of {timeout:g} s\n"
+    return LaunchResult(proc.returncode, out, err, time.monotonic() - start, list(cmd))
+
+
+def job_env(collective_timeout: float = COLLECTIVE_TIMEOUT_S, extra: Optional[Dict[str, str]] = None) -> dict:
+    """This environment without any inherited rank variables, one thread per process, a low collective timeout."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(GT_COLLECTIVE_TIMEOUT=str(collective_timeout), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def _script_path(script: Union[str, Path], workdir: str) -> str:
+    """``script`` as a file: a path that exists is used as is, anything else is taken as source text."""
+    if isinstance(script, Path) or (isinstance(script, str) and "\n" not in script and os.path.isfile(script)):
+        return str(script)
+    path = os.path.join(workdir, "job.py")
+    Path(path).write_text(script)
+    return path
+
+
+def launch(script: Union[str, Path], nproc: int, *, args: Sequence[str] = (), check: bool = True,
+           collective_timeout: float = COLLECTIVE_TIMEOUT_S, timeout: float = JOB_TIMEOUT_S,
+           env: Optional[Dict[str, str]] = None, launcher_args: Sequence[str] = ()) -> LaunchResult:
+    """Run ``script`` under ``python -m globaltensor.launch`` with ``nproc`` gloo ranks on 127.0.0.1.
+
+    The launcher's ``--timeout`` is ``timeout``; the harness stops the launcher 30 s after that.
+    """
+    with tempfile.TemporaryDirectory(prefix="gt-launch-") as workdir:
+        path = _script_path(script, workdir)
+        cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout", str(timeout),
+               *launcher_args, path, *args]
+        result = run_job(cmd, env=job_env(collective_timeout, env), timeout=timeout + 30, cwd=workdir)
+    return result.check() if check else result
+
+
+@pytest.fixture(scope="session", name="launch")
+def _launch_fixture():
+    """The :func:`launch` function, for tests (module-scoped fixtures included) that take it as a fixture."""
+    return launch
