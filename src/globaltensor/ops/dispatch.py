@@ -241,8 +241,8 @@ class _LocalRun:
         out = list(self.out_flat)
         for k, i in enumerate(self.out_idx):
             pieces = {r: outs[i] for r, outs in per_rank.items()}
-            out[i] = _reuse_written_input(pieces, flat, boxed, self.tensor_idx) or GlobalTensor(
-                self.out_layouts[k], pieces)
+            written = _reuse_written_input(pieces, flat, boxed, self.tensor_idx)
+            out[i] = written if written is not None else GlobalTensor(self.out_layouts[k], pieces)
         for i, v in enumerate(out):
             if not isinstance(v, torch.Tensor) and self.ranks:
                 out[i] = per_rank[self.ranks[0]][i]

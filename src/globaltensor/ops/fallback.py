@@ -50,7 +50,8 @@ def run_fallback(func, flat, spec):
     for j, v in enumerate(out_flat):
         if isinstance(v, torch.Tensor):
             pieces = {r: per_rank[r][0][j] for r in ranks}
-            result.append(_write_into_input(func, flat, gathered, pieces) or
+            written = _write_into_input(func, flat, gathered, pieces)
+            result.append(written if written is not None else
                           GlobalTensor(Layout(tuple(v.shape), v.dtype, placement, b), pieces))
         else:
             result.append(v)
