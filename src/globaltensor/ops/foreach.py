@@ -15,12 +15,22 @@ def _per_tensor_op(func):
     return getattr(torch.ops.aten, name)
 
 
+_KEYWORD_ONLY = {"value", "alpha"}
+
+
 def run_foreach(func, flat, spec):
     args, kwargs = tree_unflatten(flat, spec)
+    names = [a.name for a in func._schema.arguments]
     n = next(len(a) for a in args if isinstance(a, (list, tuple)))
     op = _per_tensor_op(func)
     results = []
     for i in range(n):
-        element = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
-        results.append(op(*element, **kwargs))
+        positional, keyword = [], dict(kwargs)
+        for name, a in zip(names, args):
+            v = a[i] if isinstance(a, (list, tuple)) else a
+            if name in _KEYWORD_ONLY:
+                keyword[name] = v
+            else:
+                positional.append(v)
+        results.append(op(*positional, **keyword))
     return None if func._schema.returns == [] or not func._schema.returns else results

@@ -1,0 +1,234 @@
+"""The program every rank runs in tests/multiprocess/test_process_world.py (one launch per world size).
+
+It runs sections in order. A check that fails is recorded, not raised, so that every rank
+keeps issuing the same collectives; an exception ends the job (the launcher stops the other
+ranks), and the tests report the sections that never finished. Records are printed as
+``GT {json}`` lines; the launcher prefixes them with ``[rank N] ``.
+
+Expected values are computed here without globaltensor's own shape code: the logical
+tensors come from ``torch.manual_seed`` (the same on every rank and in the test process),
+the balanced split is re-derived below, and partial-sum pieces are summed with a raw
+``torch.distributed.all_reduce``.
+"""
+import json
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import globaltensor as gt
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+SBPS = {"S0": S(0), "S1": S(1), "B": B, "P": P}
+SHAPES = [(8, 6), (7, 5), (3, 1)]
+RANDOM_SHAPES = [(7, 5), (3, 1)]
+SEED = 1234
+
+
+def emit(section, **fields):
+    print("GT " + json.dumps({"section": section, **fields}), flush=True)
+
+
+def balanced(n, k):
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def logical(shape, salt):
+    """A float tensor, the same on every rank and in the test process."""
+    torch.manual_seed(1000 + salt)
+    return torch.randn(*shape)
+
+
+def placements(n):
+    """name -> placement; the full one in rank order and reversed (group order != rank order)."""
+    return {"all": gt.placement("cpu", ranks=list(range(n))),
+            "reversed": gt.placement("cpu", ranks=list(reversed(range(n))))}
+
+
+class Checker:
+    def __init__(self, section):
+        self.section = section
+        self.failures = []
+        self.count = 0
+
+    def equal(self, what, got, expected):
+        self.count += 1
+        if isinstance(got, torch.Tensor) or isinstance(expected, torch.Tensor):
+            ok = (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)
+                  and got.shape == expected.shape and got.dtype == expected.dtype and torch.equal(got, expected))
+        else:
+            ok = got == expected
+        if not ok:
+            self.failures.append(f"{what}: got {got!r}, expected {expected!r}")
+
+    def true(self, what, cond):
+        self.count += 1
+        if not cond:
+            self.failures.append(what)
+
+    def done(self, **fields):
+        emit(self.section, done=True, checks=self.count, failures=self.failures, **fields)
+
+
+def check_piece(c, what, x, full, sbp, plc):
+    """``x``'s piece on this rank against the slice of ``full`` its sbp gives this rank."""
+    me = gt.rank()
+    piece = x.to_local()
+    if me not in plc:
+        c.equal(f"{what}: piece outside the placement", piece.numel(), 0)
+        return
+    i = plc.rank_list().index(me)
+    if sbp.is_split:
+        sizes = balanced(full.shape[sbp.dim], plc.size)
+        c.equal(f"{what}: piece", piece, full.narrow(sbp.dim, sum(sizes[:i]), sizes[i]))
+    elif sbp.is_broadcast:
+        c.equal(f"{what}: piece", piece, full)
+    else:
+        c.equal(f"{what}: partial piece shape", tuple(piece.shape), tuple(full.shape))
+        total = piece.clone()
+        dist.all_reduce(total)  # every rank of these placements takes part
+        c.equal(f"{what}: sum of partial pieces", total, full)
+
+
+def section_world():
+    c = Checker("world")
+    import os
+    c.equal("world_size() vs WORLD_SIZE", gt.world_size(), int(os.environ["WORLD_SIZE"]))
+    c.equal("rank() vs RANK", gt.rank(), int(os.environ["RANK"]))
+    world = gt.get_world()
+    c.equal("world is not simulated", world.simulated, False)
+    c.equal("world.local_ranks", tuple(world.local_ranks), (gt.rank(),))
+    c.done(rank=gt.rank(), world_size=gt.world_size())
+
+
+def section_conversions():
+    """Every 1-D conversion pair on every shape and placement: pieces, numpy(), bytes counted."""
+    c = Checker("conversions")
+    n = gt.world_size()
+    stats = {}
+    for pname, plc in placements(n).items():
+        for salt, shape in enumerate(SHAPES):
+            full = logical(shape, salt)
+            for aname, a in SBPS.items():
+                for bname, b in SBPS.items():
+                    what = f"{pname} {shape} {aname}->{bname}"
+                    x = gt.distribute(full, plc, a)
+                    check_piece(c, what + " (source)", x, full, a, plc)
+                    with gt.comm_stats() as st:
+                        y = x.to_global(sbp=b)
+                    stats[what] = {"bytes": st.bytes_sent, "ops": st.ops(),
+                                   "per_rank": {str(r): v for r, v in sorted(st.per_rank.items())}}
+                    c.equal(what + ": shape", tuple(y.shape), shape)
+                    c.equal(what + ": sbp", y.sbp, (b,))
+                    check_piece(c, what, y, full, b, plc)
+                    c.equal(what + ": numpy()", torch.from_numpy(y.numpy()), full)
+    c.done(stats=stats)
+
+
+def section_random():
+    """Random factories: the logical tensor, per seed, whatever the sbp and number of ranks."""
+    c = Checker("random")
+    n = gt.world_size()
+    plc = placements(n)["all"]
+    values = {}
+    for fname, factory in (("randn", gt.randn), ("rand", gt.rand)):
+        for shape in RANDOM_SHAPES:
+            for sname, sbp in SBPS.items():
+                what = f"{fname} {shape} {sname}"
+                gt.manual_seed(SEED)
+                x = factory(*shape, placement=plc, sbp=sbp)
+                whole = torch.from_numpy(x.numpy())
+                values[what] = whole.double().tolist()
+                c.equal(what + ": shape", tuple(x.shape), shape)
+                check_piece(c, what, x, whole, sbp, plc)
+    c.done(values=values)
+
+
+def section_from_local():
+    """``to_global`` from each rank's own local tensor: uneven split pieces give the global shape."""
+    c = Checker("from_local")
+    n = gt.world_size()
+    me = gt.rank()
+    plc = placements(n)["all"]
+    full = torch.arange((2 * n + 1) * (n + 1), dtype=torch.float32).reshape(2 * n + 1, n + 1)
+    for d in (0, 1):
+        sizes = balanced(full.shape[d], n)
+        mine = full.narrow(d, sum(sizes[:me]), sizes[me]).clone()
+        x = mine.to_global(placement=plc, sbp=S(d))
+        c.equal(f"S({d}) from uneven pieces: shape", tuple(x.shape), tuple(full.shape))
+        c.equal(f"S({d}) from uneven pieces: own piece kept", x.to_local(), mine)
+        c.equal(f"S({d}) from uneven pieces: numpy()", torch.from_numpy(x.numpy()), full)
+    x = gt.to_global(full.clone(), placement=plc, sbp=B)
+    c.equal("B from local: shape", tuple(x.shape), tuple(full.shape))
+    c.equal("B from local: numpy()", torch.from_numpy(x.numpy()), full)
+    x = (full * (me + 1)).to_global(placement=plc, sbp=P)
+    c.equal("P from local: numpy() is the sum", torch.from_numpy(x.numpy()), full * sum(range(1, n + 1)))
+    # pieces that do not follow the balanced split: every rank sees every shape, so all raise
+    wrong = full[: (n + 1 if me == 0 else 1)]
+    try:
+        wrong.to_global(placement=plc, sbp=S(0))
+    except ValueError as e:
+        c.true(f"unbalanced pieces: the error names the shapes ({e})", "balanced" in str(e))
+    else:
+        c.true("unbalanced pieces: expected a ValueError", False)
+    c.done()
+
+
+def section_subset():
+    """A placement on a subset of ranks: the others hold empty pieces, skip its ops, never wait."""
+    c = Checker("subset")
+    n = gt.world_size()
+    me = gt.rank()
+    ranks = [1] if n == 2 else [1, 2]
+    sub = gt.placement("cpu", ranks=ranks)
+    inside = me in ranks
+    full = logical((7, 5), 50)
+    if inside:
+        time.sleep(2.0)  # outsiders that waited for insiders would take this long too
+    start = time.monotonic()
+    for aname, a in SBPS.items():
+        for bname, b in SBPS.items():
+            x = gt.distribute(full, sub, a)
+            y = x.to_global(sbp=b)
+            check_piece(c, f"subset {ranks} {aname}->{bname}", y, full, b, sub)
+            if not inside:
+                c.equal(f"subset {aname}->{bname}: local_tensors() outside", y.local_tensors(), {})
+            c.equal(f"subset {aname}->{bname}: shape", tuple(y.shape), (7, 5))
+    elapsed = time.monotonic() - start
+    if not inside:
+        c.true(f"rank {me} outside the placement spent {elapsed:.2f} s on its ops (it waited for the others)",
+               elapsed < 1.5)
+    else:
+        for bname, b in SBPS.items():
+            y = gt.distribute(full, sub, S(0)).to_global(sbp=b)
+            c.equal(f"subset S0->{bname}: numpy() inside", torch.from_numpy(y.numpy()), full)
+    # moving to the whole world involves everyone again
+    everyone = placements(n)["all"]
+    for bname, b in SBPS.items():
+        if b.is_partial:
+            continue
+        x = gt.distribute(full, sub, S(0))
+        y = x.to_global(placement=everyone, sbp=b)
+        check_piece(c, f"subset S0 -> all {bname}", y, full, b, everyone)
+        c.equal(f"subset S0 -> all {bname}: numpy()", torch.from_numpy(y.numpy()), full)
+    c.done()
+
+
+SECTIONS = [section_world, section_conversions, section_random, section_from_local, section_subset]
+
+
+def main():
+    for section in SECTIONS:
+        name = section.__name__[len("section_"):]
+        try:
+            section()
+        except Exception:
+            emit(name, error=traceback.format_exc())
+            traceback.print_exc()
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
