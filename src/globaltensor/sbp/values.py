@@ -6,42 +6,95 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError
 
 
 class SbpValue:
-    """Base of the three SBP kinds; instances are immutable and hashable."""
+    """Base of the three SBP kinds; instances are immutable and hashable.
+
+    (Hand-written rather than ``@dataclass(frozen=True, slots=True)``: on Python < 3.12 that
+    combination's ``__setattr__`` raises a confusing ``TypeError`` from ``super()`` instead of
+    ``FrozenInstanceError`` for attributes that are not fields.)
+    """
 
     __slots__ = ()
     is_split = False
     is_broadcast = False
     is_partial = False
 
+    def __setattr__(self, name, value):
+        raise FrozenInstanceError(f"cannot assign to field {name!r}: SBP values are immutable")
 
-@dataclass(frozen=True, slots=True)
+    def __delattr__(self, name):
+        raise FrozenInstanceError(f"cannot delete field {name!r}: SBP values are immutable")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class Split(SbpValue):
-    dim: int
+    __slots__ = ("dim",)
     is_split = True
 
-    def __post_init__(self):
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
-            raise TypeError(f"split(dim): expected an int dim, got {self.dim!r}")
+    def __init__(self, dim: int):
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"split(dim): expected an int dim, got {dim!r}")
+        object.__setattr__(self, "dim", int(dim))
+
+    def __eq__(self, other):
+        return other.__class__ is Split and other.dim == self.dim
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return hash(("S", self.dim))
+
+    def __reduce__(self):
+        return (Split, (self.dim,))
 
     def __repr__(self) -> str:
         return f"S({self.dim})"
 
 
-@dataclass(frozen=True, slots=True)
 class Broadcast(SbpValue):
+    __slots__ = ()
     is_broadcast = True
+
+    def __eq__(self, other):
+        return other.__class__ is Broadcast
+
+    def __ne__(self, other):
+        return other.__class__ is not Broadcast
+
+    def __hash__(self):
+        return hash("B")
+
+    def __reduce__(self):
+        return (Broadcast, ())
 
     def __repr__(self) -> str:
         return "B"
 
 
-@dataclass(frozen=True, slots=True)
 class PartialSum(SbpValue):
+    __slots__ = ()
     is_partial = True
+
+    def __eq__(self, other):
+        return other.__class__ is PartialSum
+
+    def __ne__(self, other):
+        return other.__class__ is not PartialSum
+
+    def __hash__(self):
+        return hash("P")
+
+    def __reduce__(self):
+        return (PartialSum, ())
 
     def __repr__(self) -> str:
         return "P"
