@@ -125,3 +125,9 @@ def test_split_axes():
     assert split_axes(nd, 0) == [0, 3]
     assert split_axes(nd, 1) == [2]
     assert split_axes(nd, 2) == []
+
+
+def test_numpy_int_dim_is_accepted():
+    np = pytest.importorskip("numpy")
+    v = split(np.int64(1))
+    assert v == split(1) and type(v.dim) is int and hash(v) == hash(split(1))

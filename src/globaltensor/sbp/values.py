@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import FrozenInstanceError
 
 
@@ -40,7 +41,7 @@ class Split(SbpValue):
     is_split = True
 
     def __init__(self, dim: int):
-        if not isinstance(dim, int) or isinstance(dim, bool):
+        if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
             raise TypeError(f"split(dim): expected an int dim, got {dim!r}")
         object.__setattr__(self, "dim", int(dim))
 
