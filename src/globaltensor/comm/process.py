@@ -18,6 +18,10 @@ from ..sbp.shape import numel
 from .world import World
 
 
+# torch 2.13 deprecates all_gather_into_tensor (a warning on every run) for all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def collective_timeout() -> timedelta:
     """``GT_COLLECTIVE_TIMEOUT`` seconds (default 300): how long a collective may wait for peers."""
     return timedelta(seconds=float(os.environ.get("GT_COLLECTIVE_TIMEOUT", "300")))
@@ -76,7 +80,7 @@ class ProcessWorld(World):
         even = all(s == width for s in sizes)
         if dim == 0 and even and order == sorted(order):
             out = x.new_empty((width * len(group),) + tuple(x.shape[1:]))
-            self._run("all_gather", group, lambda: dist.all_gather_into_tensor(out, x, group=pg))
+            self._run("all_gather", group, lambda: _all_gather_single(out, x, group=pg))
             return {me: out}
         bufs = [torch.empty_like(x) for _ in group]
         self._run("all_gather", group, lambda: dist.all_gather(bufs, x, group=pg))

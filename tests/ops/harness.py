@@ -1,0 +1,165 @@
+"""Checking ops on global tensors against the same computation on one device.
+
+``check_candidates(op, *args)``: for each candidate signature of ``op``'s rule (and the
+all-broadcast one), on a 1-D placement of 4 ranks and a 2x2 placement, lay the inputs out
+as the candidate asks (partial inputs as random splits of the value), run the op, and
+compare every output with the op on the plain tensors.
+``check_layouts(fn, *args)``: the same for any function, with every input on random
+layouts; ``grad=True`` also compares the inputs' gradients and checks their SBP.
+"""
+from __future__ import annotations
+
+import random
+from itertools import product
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import globaltensor as gt
+from globaltensor.boxing import Layout
+from globaltensor.ops.registry import find_rule
+from globaltensor.sbp import as_signature, nd_candidates, broadcast, partial_sum, split
+
+PLACEMENTS = {"1d": lambda: gt.placement("cpu", [0, 1, 2, 3]), "2x2": lambda: gt.placement("cpu", [[0, 1], [2, 3]])}
+
+
+def make_global(t: torch.Tensor, placement, nd_sbp, rng: random.Random, requires_grad=False):
+    """``t`` laid out as ``nd_sbp``; partial axes hold random pieces that sum to the value."""
+    plain = tuple(broadcast if v.is_partial else v for v in nd_sbp)
+    x = gt.distribute(t.detach(), placement, plain)
+    if plain != tuple(nd_sbp):
+        x = _random_partial(x, placement, tuple(nd_sbp), rng)
+    if requires_grad:
+        x = x.detach().requires_grad_(True)
+    return x
+
+
+def _random_partial(x, placement, nd_sbp, rng):
+    """Pieces of a partial layout: along each partial axis the first rank adds noise that the
+    others take off. The noise varies with every coordinate except this axis's and broadcast
+    axes' (replicas must stay equal)."""
+    from globaltensor.tensor import GlobalTensor
+    layout = x.layout_meta.with_sbp(nd_sbp)
+    if not x.dtype.is_floating_point:
+        return gt.distribute(x.full_tensor(), placement, nd_sbp)
+    pieces = {r: t.clone() for r, t in x.local_tensors().items()}
+    base = rng.randrange(1 << 20)
+    for a, v in enumerate(nd_sbp):
+        k = placement.hierarchy[a]
+        if not v.is_partial or k == 1:
+            continue
+        for r in pieces:
+            c = placement.coord(r)
+            key = (base, a) + tuple(c[b] for b in range(placement.ndim) if b != a and not nd_sbp[b].is_broadcast)
+            gen = torch.Generator().manual_seed(hash(key) & 0xFFFFFFFF)
+            noise = torch.randn(pieces[r].shape, generator=gen, dtype=pieces[r].dtype)
+            pieces[r] = pieces[r] + noise if c[a] == 0 else -noise / (k - 1)
+    return GlobalTensor(layout, pieces)
+
+
+def _assert_close(got, want, what, rtol, atol):
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
+        g = got.full_tensor() if getattr(got, "is_global", False) else got
+        assert tuple(g.shape) == tuple(want.shape), f"{what}: shape {tuple(g.shape)} != {tuple(want.shape)}"
+        if want.dtype.is_floating_point or want.dtype.is_complex:
+            torch.testing.assert_close(g.to(want.dtype), want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+        else:
+            assert torch.equal(g.to(want.dtype), want), f"{what}: values differ"
+    else:
+        assert got == want, f"{what}: {got!r} != {want!r}"
+
+
+def _compare(got, want, what, rtol, atol):
+    gl, _ = tree_flatten(got)
+    wl, _ = tree_flatten(want)
+    assert len(gl) == len(wl), f"{what}: {len(gl)} outputs, expected {len(wl)}"
+    for i, (g, w) in enumerate(zip(gl, wl)):
+        _assert_close(g, w, f"{what} output {i}", rtol, atol)
+
+
+def candidate_signatures(op, *args, **kwargs) -> list:
+    """The rule's 1-D candidates for these arguments (meta tensors of the same shapes)."""
+    rule = find_rule(op)
+    assert rule is not None, f"{op} has no rule"
+    meta = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor)
+                    else v, (args, kwargs))
+    return [as_signature(c) for c in rule.candidates(*meta[0], **meta[1])]
+
+
+def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), max_2d=12, seed=0, **kwargs):
+    """Every candidate of ``op``'s rule gives the single-device result; returns how many ran."""
+    want = op(*args, **kwargs)
+    sigs = candidate_signatures(op, *args, **kwargs)
+    assert sigs, f"{op}: the rule gave no candidates for these arguments"
+    rng = random.Random(seed)
+    ran = 0
+    with gt.simulate(4):
+        for name in placements:
+            p = PLACEMENTS[name]()
+            combos = nd_candidates([sigs] * p.ndim)
+            if len(combos) > max_2d:
+                combos = rng.sample(combos, max_2d)
+            for c in combos:
+                flat, spec = tree_flatten((args, kwargs))
+                tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+                for k, i in enumerate(tensors):
+                    flat[i] = make_global(flat[i], p, c.inputs[k], rng)
+                a, kw = spec.unflatten(flat) if hasattr(spec, "unflatten") else _unflatten(flat, spec)
+                got = op(*a, **kw)
+                _compare(got, want, f"{op} on {name} with inputs {c.inputs}", rtol, atol)
+                ran += 1
+    return ran
+
+
+def _unflatten(flat, spec):
+    from torch.utils._pytree import tree_unflatten
+    return tree_unflatten(flat, spec)
+
+
+def random_nd_sbp(t: torch.Tensor, placement, rng: random.Random, partial=True) -> tuple:
+    choices = [broadcast] + [split(d) for d in range(t.dim())] + ([partial_sum] if partial else [])
+    return tuple(rng.choice(choices) for _ in range(placement.ndim))
+
+
+def check_layouts(fn, *args, trials=6, grad=False, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"),
+                  partial=True, seed=0):
+    """``fn`` on global inputs in random layouts equals ``fn`` on the plain inputs (and so do gradients)."""
+    rng = random.Random(seed)
+    plain = [a.detach().clone().requires_grad_(grad) if isinstance(a, torch.Tensor) and grad and
+             a.dtype.is_floating_point else a for a in args]
+    want = fn(*plain)
+    if grad:
+        _backward(want)
+    with gt.simulate(4):
+        for name in placements:
+            p = PLACEMENTS[name]()
+            for _ in range(trials):
+                layouts = [random_nd_sbp(a, p, rng, partial and not grad) if isinstance(a, torch.Tensor) else None
+                           for a in args]
+                gl = [make_global(a, p, l, rng, grad and a.dtype.is_floating_point) if l is not None else a
+                      for a, l in zip(args, layouts)]
+                got = fn(*gl)
+                _compare(got, want, f"{getattr(fn, '__name__', fn)} on {name} with {layouts}", rtol, atol)
+                if grad:
+                    _backward(got)
+                    for i, (g, w) in enumerate(zip(gl, plain)):
+                        if isinstance(w, torch.Tensor) and w.requires_grad:
+                            assert g.grad is not None, f"input {i} got no gradient"
+                            assert g.grad.sbp == g.sbp, f"input {i}: grad sbp {g.grad.sbp} != {g.sbp}"
+                            _assert_close(g.grad, w.grad, f"grad of input {i} with {layouts}", rtol, atol)
+
+
+def _backward(out):
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    total = None
+    for o in outs:
+        term = (o * torch.linspace(0.5, 1.5, o.numel()).reshape(o.shape)).sum() if not getattr(o, "is_global", False) \
+            else (o * _weights_like(o)).sum()
+        total = term if total is None else total + term
+    total.backward()
+
+
+def _weights_like(o):
+    w = torch.linspace(0.5, 1.5, o.numel()).reshape(o.shape)
+    return gt.distribute(w, o.placement, tuple(broadcast if v.is_partial else v for v in o.sbp))
