@@ -1,2 +1,6 @@
-"""SBP rules, one module per op family; importing this package registers them all."""
-from . import matmul, pointwise, view  # noqa: F401
+"""SBP rules, one module per op family; importing this package registers every module in it."""
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
