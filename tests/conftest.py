@@ -6,6 +6,7 @@ runs a Python script -- source text or a path -- under ``python -m globaltensor.
 time limit, and returns a :class:`LaunchResult`. With ``check=True`` a failed job fails the
 test with the job's output, whose lines name their rank. The suite never hangs on a job: the
 launcher's own ``--timeout`` ends it first, and past that the launcher itself is stopped.
+The fixture ``launch_tools`` gives the lower-level helpers (``run_job``, ``job_env``, ``free_port``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Union
 
 import pytest
@@ -53,7 +55,7 @@ class LaunchResult:
 
     def describe(self, tail: int = OUTPUT_TAIL_LINES) -> str:
         def last(text):
-            lines = text.splitlines()
+            lines = [line if len(line) <= 400 else line[:400] + " [...]" for line in text.splitlines()]
             cut = len(lines) - tail
             return ("[... %d lines ...]\n" % cut if cut > 0 else "") + "\n".join(lines[-tail:])
         return (f"command: {' '.join(self.command)}\nexit code {self.returncode} after {self.elapsed:.1f} s\n"
@@ -116,6 +118,12 @@ def launch(script: Union[str, Path], nproc: int, *, args: Sequence[str] = (), ch
                *launcher_args, path, *args]
         result = run_job(cmd, env=job_env(collective_timeout, env), timeout=timeout + 30, cwd=workdir)
     return result.check() if check else result
+
+
+@pytest.fixture(scope="session")
+def launch_tools():
+    """The lower-level helpers, for tests that run a launcher (or torchrun) command of their own."""
+    return SimpleNamespace(free_port=free_port, job_env=job_env, run_job=run_job, LaunchResult=LaunchResult)
 
 
 @pytest.fixture(scope="session", name="launch")

@@ -16,13 +16,9 @@ from .placement import Placement
 from .sbp import as_nd_sbp, broadcast
 from .sbp.shape import piece_shape
 
-_dispatcher: Optional[Callable] = None
-
-
 def set_dispatcher(fn: Callable) -> None:
-    """Install the function that runs torch ops on global tensors (the ops layer's)."""
-    global _dispatcher
-    _dispatcher = fn
+    """Install ``fn(cls, func, types, args, kwargs)`` as ``__torch_dispatch__`` (the ops layer's)."""
+    GlobalTensor.__torch_dispatch__ = classmethod(fn)
 
 
 def _device(placement: Placement) -> torch.device:
@@ -39,18 +35,17 @@ class GlobalTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False):
+    def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False, device=None):
         t = torch.Tensor._make_wrapper_subclass(
-            cls, layout.shape, dtype=layout.dtype, device=_device(layout.placement), requires_grad=requires_grad)
+            cls, layout.shape, dtype=layout.dtype, device=device or _device(layout.placement),
+            requires_grad=requires_grad)
         t._layout = layout
         t._pieces = pieces
         return t
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if _dispatcher is None:
-            raise RuntimeError(f"globaltensor: no op dispatcher is installed to run {func}")
-        return _dispatcher(func, types, args, kwargs or {})
+        raise RuntimeError(f"globaltensor: no op dispatcher is installed to run {func}")
 
     # -- meta -----------------------------------------------------------------------------
     @property

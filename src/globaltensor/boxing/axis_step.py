@@ -7,6 +7,8 @@ when no axis outside ``A`` after the first of ``A`` splits a dim that ``x`` or `
 """
 from __future__ import annotations
 
+from itertools import combinations
+
 from ..comm.stats import ring_bytes
 from ..sbp.shape import balanced_sizes, numel
 from .layout import Layout, axis_groups, intersect
@@ -45,6 +47,48 @@ def make_step(src: Layout, axes: tuple, y) -> Step:
         for g in groups:
             sent.update(_group_bytes(op, src, dst, g))
     return Step(op, src, dst, tuple(axes), groups, tuple(sorted(sent.items())))
+
+
+def regroups(src: Layout, target: tuple) -> list:
+    """All-to-alls straight from ``src`` to ``target`` over groups of axes, where valid.
+
+    They move the intersecting blocks from the source pieces to the target pieces at once,
+    e.g. (S0, S1) -> (S1, S0) in one exchange over all four ranks. The group's axes are the
+    ones that change plus any subset of the unchanged ones; every one of them must split on
+    both sides (so the members' blocks are disjoint: replication is left to all-gathers and
+    reduction to reduce-scatters), and every target piece of a group must be covered by the
+    group's source pieces.
+    """
+    changed = [a for a, (x, y) in enumerate(zip(src.nd_sbp, target)) if x != y]
+    if not changed or not all(src.nd_sbp[a].is_split and target[a].is_split for a in changed):
+        return []
+    extra = [a for a, v in enumerate(src.nd_sbp) if a not in changed and v.is_split]
+    dst = src.with_sbp(target)
+    out = []
+    for k in range(len(extra) + 1):
+        for more in combinations(extra, k):
+            axes = tuple(sorted(changed + list(more)))
+            groups = tuple(axis_groups(src.placement, axes))
+            if _covers(src, dst, groups):
+                sent = {}
+                for g in groups:
+                    sent.update(_group_bytes("all_to_all", src, dst, g))
+                out.append(Step("all_to_all", src, dst, axes, groups, tuple(sorted(sent.items()))))
+    return out
+
+
+def _covers(src: Layout, dst: Layout, groups: tuple) -> bool:
+    for g in groups:
+        for d in g:
+            dbox = dst.box(d)
+            got = 0
+            for s in g:
+                inter = intersect(src.box(s), dbox)
+                if inter:
+                    got += numel([l for _, l in inter])
+            if got != numel([l for _, l in dbox]):
+                return False
+    return True
 
 
 def _group_bytes(op: str, src: Layout, dst: Layout, group: tuple) -> dict:

@@ -23,14 +23,28 @@ def _local(group, world):
     return [r for r in group if world.holds(r)]
 
 
+def _alone(group, pieces, out) -> bool:
+    """A group of one rank: its piece already is the result (one rank's S, B and P agree)."""
+    if len(group) != 1:
+        return False
+    r = group[0]
+    if r in pieces:
+        out[r] = pieces[r].clone()
+    return True
+
+
 def _box_shape(box) -> tuple:
     return tuple(l for _, l in box)
 
 
 def _all_gather(step: Step, pieces, world):
+    if not step.axes:
+        return _all_gather_across(step, pieces, world)
     dim = step.src.nd_sbp[step.axes[0]].dim
     out = {}
     for g in step.groups:
+        if _alone(g, pieces, out):
+            continue
         mine = _local(g, world)
         if not mine:
             continue
@@ -40,10 +54,41 @@ def _all_gather(step: Step, pieces, world):
     return out
 
 
+def _all_gather_across(step: Step, pieces, world):
+    """The members of a source replica contribute their pieces flattened, the other members
+    nothing; every member unpacks the blocks into the whole tensor, target ranks keep it."""
+    src, dst = step.src, step.dst
+    g = step.groups[0]
+    mine = _local(g, world)
+    if not mine:
+        return {}
+    device = lambda r: world.device(dst.placement.type, r)
+    size_of = dict(zip(g, step.sizes))
+    contrib = {r: pieces[r].reshape(-1) if size_of[r] else torch.empty(0, dtype=src.dtype, device=device(r))
+               for r in mine}
+    got = world.all_gather(g, contrib, 0, step.sizes, (sum(step.sizes),), src.dtype)
+    out = {}
+    for r in mine:
+        if r not in dst.placement:
+            continue
+        flat = got[r].to(device(r))
+        whole = torch.empty(tuple(src.shape), dtype=src.dtype, device=device(r))
+        offset = 0
+        for m, n in zip(g, step.sizes):
+            if n:
+                box = src.box(m)
+                take(whole, box).copy_(flat[offset:offset + n].view(_box_shape(box)))
+                offset += n
+        out[r] = whole
+    return out
+
+
 def _reduce_scatter(step: Step, pieces, world):
     dim = step.dst.nd_sbp[step.axes[0]].dim
     out = {}
     for g in step.groups:
+        if _alone(g, pieces, out):
+            continue
         mine = _local(g, world)
         if mine:
             sizes = [step.dst.box(r)[dim][1] for r in g]
@@ -54,6 +99,8 @@ def _reduce_scatter(step: Step, pieces, world):
 def _all_reduce(step: Step, pieces, world):
     out = {}
     for g in step.groups:
+        if _alone(g, pieces, out):
+            continue
         mine = _local(g, world)
         if mine:
             out.update(world.all_reduce(g, {r: pieces[r] for r in mine}))
@@ -64,6 +111,8 @@ def _all_to_all(step: Step, pieces, world):
     src, dst = step.src, step.dst
     out = {}
     for g in step.groups:
+        if _alone(g, pieces, out):
+            continue
         mine = _local(g, world)
         if not mine:
             continue
@@ -122,13 +171,17 @@ def _copy(step: Step, pieces, world):
 
 
 def _broadcast(step: Step, pieces, world):
+    """Target ranks that hold the (replicated) source keep it; the root feeds the others."""
+    device = lambda r: world.device(step.dst.placement.type, r)
+    out = {r: pieces[r].to(device(r), copy=True) for r in step.dst.placement.rank_list()
+           if r in step.src.placement and world.holds(r)}
     g = step.groups[0]
     mine = _local(g, world)
-    if not mine:
-        return {}
-    got = world.broadcast(g, step.root, {r: pieces[r] for r in mine if r == step.root},
-                          tuple(step.src.shape), step.src.dtype, step.src.placement.type)
-    return {r: got[r].to(world.device(step.dst.placement.type, r)) for r in mine if r in step.dst.placement}
+    if mine:
+        got = world.broadcast(g, step.root, {r: pieces[r] for r in mine if r == step.root},
+                              tuple(step.src.shape), step.src.dtype, step.src.placement.type)
+        out.update({r: got[r].to(device(r)) for r in mine if r in step.dst.placement and r not in out})
+    return out
 
 
 def _send_recv(step: Step, pieces, world):

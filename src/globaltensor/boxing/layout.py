@@ -17,6 +17,17 @@ class Layout:
     placement: Placement
     nd_sbp: tuple
 
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.placement, self.nd_sbp)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Layout) and self._hash == other._hash and
+                                 self.shape == other.shape and self.dtype == other.dtype and
+                                 self.nd_sbp == other.nd_sbp and self.placement == other.placement)
+
     def box(self, rank: int) -> tuple:
         """(start, length) per dim of ``rank``'s piece."""
         return piece_ranges(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))

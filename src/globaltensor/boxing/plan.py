@@ -16,6 +16,11 @@ class Step:
     (S->P, B->P), ``copy`` (rank-local moves between placements). Same-placement steps work
     on the groups along ``axes``; ``groups`` lists the groups of ranks in the order every
     rank issues them. ``bytes_per_rank`` is what each rank sends, as gt.comm_stats counts it.
+    Between placements: ``broadcast`` sends ``root``'s tensor to the rest of its group while
+    target ranks that hold it keep it; ``all_gather`` (``axes`` empty) gathers the pieces of
+    a source replica, flattened, over a group of those ranks and the target ranks, member i
+    giving ``sizes[i]`` elements (0 for members that only receive);
+    ``send_recv`` runs ``transfers``.
     """
     op: str
     src: Layout
@@ -25,10 +30,16 @@ class Step:
     bytes_per_rank: tuple = field(default=())
     transfers: tuple = field(default=())
     root: int = -1
+    sizes: tuple = field(default=())
 
     @property
     def is_collective(self) -> bool:
-        return self.op in COLLECTIVES
+        """Whether running the step issues a collective (groups of one rank issue none)."""
+        if self.op not in COLLECTIVES:
+            return False
+        if self.op == "send_recv":
+            return any(t.src != t.dst for t in self.transfers)
+        return any(len(g) > 1 for g in self.groups)
 
     @property
     def bytes(self) -> int:

@@ -14,9 +14,10 @@ from functools import lru_cache
 from itertools import combinations
 
 from ..sbp.values import broadcast, partial_sum, split
-from .axis_step import is_clean, make_step
+from .axis_step import is_clean, make_step, regroups
 from .layout import Layout, intersect
 from .plan import Plan, Step
+from ..comm.stats import ring_bytes
 from ..comm.world import Transfer
 from ..sbp.shape import numel
 
@@ -40,7 +41,8 @@ def _values(src: Layout, target: tuple) -> list:
 
 
 def _search(src: Layout, target: tuple) -> list:
-    """Dijkstra over nd-SBP states; edges are clean steps on one axis or a merged set of axes."""
+    """Dijkstra over nd-SBP states; edges are clean steps on one axis or a merged set of axes,
+    and one all-to-all straight to the target where it is valid (see regroups)."""
     if src.nd_sbp == target:
         return []
     naxes = len(target)
@@ -57,6 +59,7 @@ def _search(src: Layout, target: tuple) -> list:
         if best.get(state) != cost:
             continue
         layout = src.with_sbp(state)
+        edges = []
         for axes in subsets:
             x = state[axes[0]]
             if any(state[a] != x for a in axes):
@@ -64,14 +67,16 @@ def _search(src: Layout, target: tuple) -> list:
             for y in values:
                 if y == x or not is_clean(state, axes, x, y):
                     continue
-                step = make_step(layout, axes, y)
-                new = step.dst.nd_sbp
-                c = (cost[0] + step.bytes, cost[1] + step.is_collective, cost[2] + 1)
-                if new not in best or c < best[new]:
-                    best[new] = c
-                    back[new] = (state, step)
-                    tie += 1
-                    heapq.heappush(heap, (c, tie, new, None))
+                edges.append(make_step(layout, axes, y))
+        edges += regroups(layout, target)  # after the axis steps: ties keep those
+        for step in edges:
+            new = step.dst.nd_sbp
+            c = (cost[0] + step.bytes, cost[1] + step.is_collective, cost[2] + 1)
+            if new not in best or c < best[new]:
+                best[new] = c
+                back[new] = (state, step)
+                tie += 1
+                heapq.heappush(heap, (c, tie, new, None))
     steps = []
     state = target
     while state != src.nd_sbp:
@@ -80,51 +85,99 @@ def _search(src: Layout, target: tuple) -> list:
     return steps[::-1]
 
 
-def _largest_free_dim(shape: tuple, nd_sbp: tuple) -> int:
-    """The dim a replicated or partial axis is best cut along: the largest one nothing splits yet."""
-    taken = {v.dim for v in nd_sbp if v.is_split}
-    dims = sorted(range(len(shape)), key=lambda d: (d in taken, -shape[d], d))
-    return dims[0]
-
-
 def _across(src: Layout, dst: Layout) -> list:
-    steps = []
+    """The cheapest of a few routes between placements, by (bytes the busiest rank sends,
+    collectives, steps):
+
+    - land: reduce partial axes in the source placement, send every target rank the blocks
+      of a fully split landing layout (send/recv), finish in the target placement;
+    - gather: reduce, then one all-gather over a replica of the source and the target ranks
+      (a rank sends at most |T|, however many ranks hold the pieces or want the tensor);
+    - broadcast: gather to broadcast in the source, one broadcast feeds the target ranks
+      that hold nothing, then slice in the target.
+    """
+    candidates = []
+    all_b_dst = dst.with_sbp((broadcast,) * dst.placement.ndim)
+    finish_b = _search(all_b_dst, dst.nd_sbp)  # B -> anything is local
+    for reduced in _reductions(src):
+        pre = _search(src, reduced)
+        moved_from = src.with_sbp(reduced)
+        for landing in _landings(dst):
+            moved_to = dst.with_sbp(landing)
+            candidates.append(pre + [_send_recv_step(moved_from, moved_to)] + _search(moved_to, dst.nd_sbp))
+        gather = _gather_step(moved_from, all_b_dst)
+        if gather is not None:
+            candidates.append(pre + [gather] + finish_b)
+    all_b_src = tuple(broadcast for _ in src.nd_sbp)
+    candidates.append(_search(src, all_b_src) + _broadcast_steps(src.with_sbp(all_b_src), all_b_dst) + finish_b)
+    return min(candidates, key=lambda steps: _route_cost(src, dst, steps))
+
+
+def _route_cost(src: Layout, dst: Layout, steps: list) -> tuple:
+    return (Plan(src, dst, tuple(steps)).bytes, sum(s.is_collective for s in steps), len(steps))
+
+
+def _reductions(src: Layout) -> list:
+    """Partial-free layouts of the source placement to reduce a partial source to."""
+    if not src.has_partial:
+        return [src.nd_sbp]
     if len(src.shape) == 0:
-        reduced = tuple(broadcast if v.is_partial else v for v in src.nd_sbp)
-    else:
-        d = _largest_free_dim(src.shape, src.nd_sbp)
-        reduced = tuple(split(d) if v.is_partial else v for v in src.nd_sbp)
-    steps += _search(src, reduced)
-    moved_from = src.with_sbp(reduced)
-    all_b = lambda nd: all(v.is_broadcast for v in nd)
-    if all_b(reduced) and all_b(dst.nd_sbp):
-        steps += _broadcast_steps(moved_from, dst)
-        return steps
+        return [tuple(broadcast if v.is_partial else v for v in src.nd_sbp)]
+    return list(dict.fromkeys(tuple(split(d) if v.is_partial else v for v in src.nd_sbp)
+                              for d in _dims_by_preference(src.shape, src.nd_sbp)))
+
+
+def _landings(dst: Layout) -> list:
+    """Partial-free layouts of the target placement for send/recv to land in."""
     if len(dst.shape) == 0:
-        landing = tuple(broadcast for _ in dst.nd_sbp)
-    else:
-        d = _largest_free_dim(dst.shape, dst.nd_sbp)
-        landing = tuple(split(d) if not v.is_split else v for v in dst.nd_sbp)
-    moved_to = dst.with_sbp(landing)
-    steps.append(_send_recv_step(moved_from, moved_to))
-    steps += _search(moved_to, dst.nd_sbp)
-    return steps
+        return [tuple(broadcast for _ in dst.nd_sbp)]
+    out = []
+    for d in _dims_by_preference(dst.shape, dst.nd_sbp):
+        out.append(tuple(v if v.is_split else split(d) for v in dst.nd_sbp))  # every rank a distinct block
+        out.append(tuple(split(d) if v.is_partial else v for v in dst.nd_sbp))  # replicas received whole
+    return list(dict.fromkeys(out))
+
+
+def _dims_by_preference(shape: tuple, nd_sbp: tuple) -> list:
+    """Tensor dims, best first to cut a replicated or partial axis along: largest free ones first."""
+    taken = {v.dim for v in nd_sbp if v.is_split}
+    return sorted(range(len(shape)), key=lambda d: (d in taken, -shape[d], d))
+
+
+def _gather_step(src: Layout, dst: Layout):
+    """One all-gather over a replica of the partial-free ``src`` and the ranks of the all-B ``dst``.
+
+    The replica's pieces tile the tensor; each holder contributes its piece flattened, the
+    other members nothing, and every member unpacks the gathered blocks into the whole
+    tensor. A ring all-gather has every rank pass on at most |T|, however many ranks hold
+    the pieces or want the tensor. None when the device types differ.
+    """
+    if src.placement.type != dst.placement.type:
+        return None
+    replica_axes = [a for a, v in enumerate(src.nd_sbp) if v.is_broadcast]
+    replicas = {}
+    for r in src.placement.rank_list():
+        c = src.placement.coord(r)
+        replicas.setdefault(tuple(c[a] for a in replica_axes), []).append(r)
+    targets = dst.placement.rank_list()
+    # the replica most of whose ranks are targets (fewest extra ranks in the ring)
+    replica = max(replicas.values(), key=lambda rep: sum(r in dst.placement for r in rep))
+    group = tuple(replica) + tuple(r for r in targets if r not in replica)
+    sizes = [numel(src.piece_shape(r)) for r in replica] + [0] * (len(group) - len(replica))
+    sent = ring_bytes(group, [n * src.itemsize for n in sizes])
+    return Step("all_gather", src, dst, (), (group,), tuple(sorted(sent.items())), sizes=tuple(sizes))
 
 
 def _broadcast_steps(src: Layout, dst: Layout) -> list:
-    """A replicated tensor to a replicated target: ranks holding it copy, one broadcast feeds the rest."""
-    holders = src.placement.rank_list()
-    root = holders[0]
+    """A replicated tensor to a replicated target: target ranks holding it keep their copy, one
+    broadcast from a holder feeds the rest (one step, so that both happen)."""
+    root = src.placement.rank_list()[0]
     needing = tuple(r for r in dst.placement.rank_list() if r not in src.placement)
     keeping = tuple(r for r in dst.placement.rank_list() if r in src.placement)
-    steps = []
-    if keeping:
-        steps.append(Step("copy", src, dst, (), (keeping,)))
-    if needing:
-        group = (root,) + needing
-        nbytes = numel(src.shape) * src.itemsize
-        steps.append(Step("broadcast", src, dst, (), (group,), ((root, nbytes),), root=root))
-    return steps
+    if not needing:
+        return [Step("copy", src, dst, (), (keeping,))]
+    nbytes = numel(src.shape) * src.itemsize
+    return [Step("broadcast", src, dst, (), ((root,) + needing,), ((root, nbytes),), root=root)]
 
 
 def _send_recv_step(src: Layout, dst: Layout) -> Step:

@@ -8,6 +8,7 @@ every member. A failing or timed-out collective raises an error naming the rank 
 """
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -27,6 +28,17 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("GT_COLLECTIVE_TIMEOUT", "300")))
 
 
+def _destroy_at_exit() -> None:
+    """Tear down the process group this module created: left to interpreter shutdown, gloo's
+    threads abort the process ("terminate called without an active exception", SIGABRT) when
+    the store is hosted elsewhere, as under torchrun."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
 class ProcessWorld(World):
     simulated = False
 
@@ -37,6 +49,7 @@ class ProcessWorld(World):
                 raise RuntimeError(f"process world: environment variables {missing} are not set")
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=collective_timeout())
+            atexit.register(_destroy_at_exit)
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.local_ranks = (self.rank,)

@@ -5,8 +5,15 @@ shape, everything else as passed -- returning candidate signatures for one place
 (strings like ``"S(0), B -> S(0)"``), one entry per tensor input in argument order, then one
 per tensor output. ``(B, ..., B) -> B`` is always added. A rule may also give ``local``:
 a function rewriting the non-tensor arguments for one rank (a view's target shape, say),
-and ``check_shapes``: verify each rank's output piece has the balanced shape before the
-candidate is used (for ops whose pieces only line up on some shapes).
+``check_shapes``: verify each rank's output piece has the balanced shape before the
+candidate is used (for ops whose pieces only line up on some shapes); and ``kernel``: how
+one call runs on the ranks this process holds, in place of the aten op on each rank's
+pieces -- ``kernel(func, args, kwargs, in_layouts, out_layouts, calls)``, given the call's
+own (global) arguments and ``calls`` mapping each held rank to its ``(args, kwargs)`` of
+pieces (after ``local``), returns ``{rank: result}``. It is called
+once per call even when this process holds no rank of the placement (random ops reserve
+their counters there, so every process agrees), for ops whose pieces are not simply the
+aten op on the pieces (a random mask drawn from the rank's box, a vocabulary-split lookup).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ class Rule:
     candidates: Callable
     local: Optional[Callable] = None
     check_shapes: bool = False
+    kernel: Optional[Callable] = None
 
 
 RULES: dict = {}
@@ -34,14 +42,14 @@ def _overloads(op) -> list:
     return [op]
 
 
-def register_rule(ops, candidates=None, *, local=None, check_shapes=False):
+def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
     returning one. Usable as a decorator: ``@register_rule(aten.mm)``.
     """
     def install(fn):
-        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes)
+        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule

@@ -1,16 +1,40 @@
 """Views and shape ops: a split survives where the dim it splits survives.
 
-view / _unsafe_view keep ``S(d)`` when ``d`` leads its group of merged or split dims (a
-group is a run of input dims whose product equals a run of output dims), and when every
-rank's piece still has the balanced shape -- checked per rank, since ``[b, t] -> [b*t]``
-over k ranks lines up only when the pieces of ``b`` do. The local op gets the rank's own
-target shape.
+view / _unsafe_view / reshape keep ``S(d)`` when ``d`` leads its group of merged or split dims
+(a group is a run of input dims whose product equals a run of output dims), and when every
+rank's piece still has the balanced shape -- checked per rank, since ``[b, t] -> [b*t]`` over k
+ranks lines up only when the pieces of ``b`` do. The local op gets the rank's own target shape
+(and a contiguous copy of a piece that a view cannot reshape, e.g. a transposed one: the
+global tensor is always contiguous, its pieces need not be).
+
+``slice`` along a split dim keeps the split where the pieces line up (``x[::2]`` of an even
+split, say): each rank slices its own piece with the start and end moved into its
+coordinates, and the per-rank check keeps the candidate only where every rank's part is its
+balanced piece of the result. ``squeeze`` removes only dims of global size 1 from a piece,
+never a split dim whose piece happens to have size 1.
+
+Every view is linear, so ``P -> P`` everywhere.
 """
 from __future__ import annotations
 
 from ..registry import aten, register_rule
 from .common import B, P, S, each_dim_kept, norm_dim, sig
 
+
+def schema_args(op, args, kwargs) -> dict:
+    """``{name: value}`` for every argument of ``op``'s schema, defaults filled in."""
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out
+
+
+# -- view / reshape ---------------------------------------------------------------------------
 
 def _dim_groups(src: tuple, dst: tuple) -> list:
     """Pairs (input dims, output dims) of runs whose sizes multiply to the same number."""
@@ -32,8 +56,10 @@ def _dim_groups(src: tuple, dst: tuple) -> list:
 
 
 def _view_candidates(x, size, *rest, **kwargs):
-    out_shape = tuple(x.view(size).shape) if not rest else tuple(x.shape)
+    out_shape = tuple(x.reshape(size).shape)
     cands = [sig([P], [P])]
+    if x.numel() == 0:
+        return cands
     for gi, gj in _dim_groups(tuple(x.shape), out_shape):
         lead_in = next((d for d in gi if x.shape[d] != 1), None)
         lead_out = next((d for d in gj if out_shape[d] != 1), None)
@@ -46,18 +72,29 @@ def _local_size(rank, ins, outs, x, size, *rest, **kwargs):
     return (x, list(outs[0].piece_shape(rank))) + rest, kwargs
 
 
+def _local_view(rank, ins, outs, x, size, *rest, **kwargs):
+    shape = list(outs[0].piece_shape(rank))
+    if not x.is_contiguous():
+        try:
+            x.view(shape)
+        except RuntimeError:
+            x = x.contiguous()      # a view cannot reshape this piece; the global tensor is contiguous
+    return (x, shape) + rest, kwargs
+
+
 register_rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _view_candidates,
-              local=_local_size, check_shapes=True)
+              local=_local_view, check_shapes=True)
 
 
-@register_rule(aten.expand)
 def _expand(x, size, *rest, **kwargs):
     off = len(size) - x.dim()
     return [sig([S(d)], [S(d + off)]) for d in range(x.dim()) if x.shape[d] != 1] + [sig([P], [P])]
 
 
-register_rule(aten.expand, _expand, local=_local_size)
+register_rule(aten.expand.default, _expand, local=_local_size)
 
+
+# -- dim permutations --------------------------------------------------------------------------
 
 @register_rule(aten.transpose.int)
 def _transpose(x, d0, d1):
@@ -83,20 +120,87 @@ def _unsqueeze(x, dim):
     return [sig([S(d)], [S(d if d < dim else d + 1)]) for d in range(x.dim())] + [sig([P], [P])]
 
 
-@register_rule([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims])
-def _squeeze(x, dims=None):
+# -- squeeze ------------------------------------------------------------------------------------
+
+def _squeezed(x, args, kwargs) -> set:
+    """The dims of ``x`` that squeeze removes: the asked ones of global size 1."""
+    dims = args[0] if args else kwargs.get("dim")
     if dims is None:
-        dims = [d for d in range(x.dim()) if x.shape[d] == 1]
+        dims = range(x.dim())
     elif isinstance(dims, int):
         dims = [dims]
-    gone = {norm_dim(d, x.dim()) for d in dims if x.shape[norm_dim(d, x.dim())] == 1}
+    return {norm_dim(d, x.dim()) for d in dims if x.dim() and x.shape[norm_dim(d, x.dim())] == 1}
+
+
+def _squeeze(x, *args, **kwargs):
+    gone = _squeezed(x, args, kwargs)
     return [sig([S(d)], [S(d - sum(g < d for g in gone))]) for d in range(x.dim()) if d not in gone] + [
         sig([P], [P])]
 
 
+def _squeeze_local(rank, ins, outs, x, *args, **kwargs):
+    """A piece can have size 1 in a split dim of another global size: squeeze only the global 1s.
+
+    ``squeeze.dim(d)`` of a dim that stays gets a piece with a fresh size-1 dim at ``d`` to
+    remove, so the result is still a view of the piece with its own shape."""
+    layout = ins[0]
+    gone = _squeezed(_Shape(layout.shape), args, kwargs)
+    if isinstance(args[0] if args else kwargs.get("dim"), int):
+        d = norm_dim(args[0] if args else kwargs["dim"], x.dim())
+        return ((x if d in gone else x.unsqueeze(d)), d), {}
+    return (x, sorted(gone)), {}
+
+
+class _Shape:
+    """Just enough of a tensor (``dim()``, ``shape``) for :func:`_squeezed` on a global shape."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def dim(self):
+        return len(self.shape)
+
+
+register_rule([aten.squeeze.dim, aten.squeeze.dims], _squeeze, local=_squeeze_local)
+# squeeze() takes no dims to rewrite: the per-rank check drops splits whose pieces have a size-1 dim.
+register_rule(aten.squeeze.default, _squeeze, check_shapes=True)
+
+
+# -- slicing -------------------------------------------------------------------------------------
+
+def _slice_args(args, kwargs):
+    a = schema_args(aten.slice.Tensor, (None,) + tuple(args), kwargs)
+    return a["dim"], a["start"], a["end"], a["step"]
+
+
 @register_rule(aten.slice.Tensor)
-def _slice(x, dim=0, *rest, **kwargs):
-    return each_dim_kept(x, linear=True, skip={norm_dim(dim, x.dim())})
+def _slice(x, *args, **kwargs):
+    dim, start, end, step = _slice_args(args, kwargs)
+    dim = norm_dim(dim, x.dim())
+    cands = each_dim_kept(x, linear=True, skip={dim})
+    if x.shape[dim] > 0:
+        cands.append(sig([S(dim)], [S(dim)]))   # along the split dim: kept where the pieces line up
+    return cands
+
+
+def _slice_local(rank, ins, outs, x, *args, **kwargs):
+    """Move the slice's start and end into the coordinates of this rank's piece along ``dim``."""
+    dim, start, end, step = _slice_args(args, kwargs)
+    layout = ins[0]
+    dim = norm_dim(dim, len(layout.shape))
+    n = layout.shape[dim]
+    a, length = layout.box(rank)[dim]
+    if (a, length) == (0, n):
+        return (x, dim, start, end, step), {}
+    s, e, _ = slice(start, end, step).indices(n)
+    lo = max(s, a)
+    first = lo + (s - lo) % step                 # the first index >= lo that the slice takes
+    last = min(e, a + length)
+    first = min(first, a + length)
+    return (x, dim, first - a, max(last, first) - a, step), {}
+
+
+register_rule(aten.slice.Tensor, _slice, local=_slice_local, check_shapes=True)
 
 
 @register_rule(aten.select.int)
@@ -111,6 +215,16 @@ def _split(x, sizes, dim=0):
     n = len(x.split(sizes, dim))
     return each_dim_kept(x, n_out=n, linear=True, skip={dim})
 
+
+@register_rule(aten.unbind.int)
+def _unbind(x, dim=0):
+    """One gather of a split ``dim`` for all the outputs, not one per ``select``."""
+    dim = norm_dim(dim, x.dim())
+    n = x.shape[dim]
+    return [sig([S(d)], [S(d - (d > dim))] * n) for d in range(x.dim()) if d != dim] + [sig([P], [P] * n)]
+
+
+# -- joining -----------------------------------------------------------------------------------
 
 @register_rule(aten.cat.default)
 def _cat(tensors, dim=0):

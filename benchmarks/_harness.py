@@ -1,0 +1,179 @@
+"""Shared helpers of the benchmarks: spawn gloo processes, time side by side, print tables.
+
+Every benchmark script spawns its own processes (``spawn``): each sets one OMP/torch
+thread, joins a gloo group on 127.0.0.1 at a free port and runs ``worker(rank, world,
+*args)``; rank 0's return value comes back to the parent. Timing (``timed``) is warm-up
+calls, then ``repeats`` rounds of ``inner`` back-to-back calls; a round's time is the
+slowest rank's, the figure is the median round. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import queue as _queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, List, Optional, Sequence
+
+# One thread per process, set before torch is imported here and inherited by children.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("GT_COLLECTIVE_TIMEOUT", "120")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+# Make `import globaltensor` work from a checkout without installing (src layout).
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+if os.path.isdir(_SRC) and _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, worker: Callable, args: tuple, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import warnings
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*")
+    import torch.distributed as dist
+    try:
+        if world > 0:
+            from datetime import timedelta
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=180))
+        result = worker(rank, world, *args)
+        if rank == 0:
+            q.put(("ok", result))
+        if world > 0:
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        q.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def spawn(worker: Callable, nproc: int, *args, timeout: float = 600.0):
+    """Run ``worker(rank, nproc, *args)`` in ``nproc`` gloo processes; rank 0's return value.
+
+    ``nproc=0`` runs one process with no process group (for single-process measurements
+    that must not share this interpreter's state).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, nproc, port, worker, args, q), daemon=False)
+             for r in range(max(nproc, 1))]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    result = None
+    try:
+        while True:
+            if not q.empty():
+                status, result = q.get()
+                if status == "error":
+                    raise RuntimeError(f"benchmark worker failed: {result}")
+                break
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.5)
+                if not q.empty():
+                    continue
+                raise RuntimeError(f"benchmark worker exited with codes {[p.exitcode for p in procs]}")
+            if all(p.exitcode == 0 for p in procs):
+                raise RuntimeError("benchmark workers exited without a result")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"benchmark did not finish in {timeout:.0f} s")
+            time.sleep(0.05)
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return result
+
+
+def timed(fn: Callable, *, warmup: int = 3, repeats: int = 7, inner: int = 3, sync: bool = True) -> float:
+    """Median over ``repeats`` rounds of the per-call seconds of ``fn`` (slowest rank per round)."""
+    return timed_many({"fn": fn}, warmup=warmup, repeats=repeats, inner=inner, sync=sync)["fn"]
+
+
+def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, sync: bool = True) -> dict:
+    """Like :func:`timed` for several functions, their rounds interleaved (a, b, c, a, b, c, ...)
+    so that drift in the machine's load hits each alike. ``None`` entries are skipped."""
+    import torch.distributed as dist
+    on = dist.is_available() and dist.is_initialized()
+    names = [k for k, f in fns.items() if f is not None]
+    for k in names:
+        for _ in range(warmup):
+            fns[k]()
+    gc.collect()
+    rounds = {k: [] for k in names}
+    for _ in range(repeats):
+        for k in names:
+            fn = fns[k]
+            if on and sync:
+                dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            rounds[k].append((time.perf_counter() - t0) / inner)
+    if on and names:
+        t = torch.tensor([rounds[k] for k in names], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        rounds = dict(zip(names, t.tolist()))
+    out = {k: statistics.median(rounds[k]) for k in names}
+    out.update({k: None for k, f in fns.items() if f is None})
+    return out
+
+
+def slowest(seconds: float) -> float:
+    """The largest value of ``seconds`` over the ranks (for one-shot timings)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def fmt(v, unit_scale: float = 1e3, digits: int = 2) -> str:
+    """A time in seconds as milliseconds (``unit_scale=1e6`` for microseconds); text passes through."""
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    return f"{v * unit_scale:.{digits}f}"
+
+
+def table(headers: Sequence[str], rows: List[Sequence], title: str = "") -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    out = ([title] if title else []) + [line, sep]
+    out += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    return "\n".join(out)
+
+
+def header(name: str) -> str:
+    import platform
+    return (f"# {name}: torch {torch.__version__}, gloo, {os.cpu_count()} cores, OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS')}, python {platform.python_version()}")

@@ -1,0 +1,150 @@
+"""A small GPT in plain PyTorch: the same module runs on one device and, after
+``gt.nn.distribute_module``, on global tensors.
+
+token embedding + learned position embedding -> N blocks of
+[layer norm -> causal self-attention (qkv linear, heads, scaled_dot_product_attention,
+out proj) -> residual, layer norm -> MLP (fc1, GELU, fc2) -> residual]
+-> final layer norm -> lm head; ``loss(idx, targets)`` is the cross-entropy.
+
+Nothing here knows about globaltensor: shapes come from the config, never from
+``x.shape`` splits of local pieces, so a global tensor's (logical) shape works as is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 64
+    block_size: int = 16      # the longest sequence (the position table's length)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    mlp_ratio: int = 4
+    attention: str = "broadcast"   # "sdpa", "matmul" or "broadcast" (see CausalSelfAttention)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention.
+
+    The qkv projection's output features are laid out head-major, ``[heads, 3, head_dim]``,
+    so that splitting them over tensor-parallel ranks (column parallel) gives each rank whole
+    heads with their q, k and v. ``cfg.attention`` picks how the scores are computed:
+
+    - ``"sdpa"``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``[b, heads, t, hd]``;
+    - ``"matmul"``: the explicit form, ``softmax(mask(q @ k^T) / sqrt(hd)) @ v``, on the same shapes;
+    - ``"broadcast"``: the same masked softmax computed in the ``[b, t, heads, hd]`` layout by
+      broadcasting products and sums, with no transposes (no non-contiguous views).
+    All three give the same values (to float rounding).
+    """
+
+    IMPLS = ("sdpa", "matmul", "broadcast")
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
+        if cfg.attention not in self.IMPLS:
+            raise ValueError(f"attention: expected one of {self.IMPLS}, got {cfg.attention!r}")
+        self.impl = cfg.attention
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        causal = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+        self.register_buffer("causal", causal, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, self.n_head, 3, self.head_dim).unbind(3)   # 3 x [b, t, heads, hd]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.impl == "broadcast":
+            att = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) * scale               # [b, t_q, t_k, heads]
+            att = att.masked_fill(~self.causal[:t, :t, None], float("-inf")).softmax(dim=2)
+            y = (att.unsqueeze(-1) * v.unsqueeze(1)).sum(2)                        # [b, t, heads, hd]
+        else:
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))                       # [b, heads, t, hd]
+            if self.impl == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = (q @ k.transpose(-2, -1)) * scale
+                att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(dim=-1)
+                y = att @ v
+            y = y.transpose(1, 2)
+        return self.proj(y.reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd)
+        self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # positions 0..block_size-1 as a (non-trainable) buffer, so that on global tensors
+        # they live on the model's placement like every other state
+        self.register_buffer("pos", torch.arange(cfg.block_size), persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits [b, t, vocab] for token ids [b, t]."""
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
+        x = self.wte(idx) + self.wpe(self.pos[:t])
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_batch(cfg: GPTConfig, batch: int, seq: int, generator: torch.Generator):
+    """A batch of token ids and next-token targets from a tiny learnable language:
+    each sequence counts upward modulo the vocabulary from a random start, with a random stride."""
+    start = torch.randint(0, cfg.vocab_size, (batch, 1), generator=generator)
+    stride = torch.randint(1, 4, (batch, 1), generator=generator)
+    seqs = (start + stride * torch.arange(seq + 1)) % cfg.vocab_size
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()

@@ -1,0 +1,60 @@
+"""In-place and out= ops: the tensors they write keep their layout.
+
+A candidate signature is admissible only if it leaves every written input's SBP as it is,
+so the op can run on the input's own pieces. When no candidate is, the functional op runs
+and its result is boxed into the written tensor's layout and copied into its pieces.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..tensor import GlobalTensor, box, replicate
+
+
+def written_objects(func, args, kwargs) -> list:
+    """The tensors an in-place or out= op writes into."""
+    objs = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        objs.extend(v if isinstance(v, (list, tuple)) else [v])
+    for v in objs:
+        if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor):
+            raise TypeError(f"{func}: cannot write a global result into a plain (local) tensor; "
+                            f"make the written tensor global first")
+    return objs
+
+
+def returned_inputs(func, args, kwargs, tensors: list) -> dict:
+    """Output position -> tensor-input position, for outputs that are a written input (``add_``, out=)."""
+    arguments = func._schema.arguments
+    out = {}
+    for j, ret in enumerate(func._schema.returns):
+        if ret.alias_info is None or not ret.alias_info.is_write:
+            continue
+        for i, a in enumerate(arguments):
+            if a.alias_info is not None and a.alias_info.before_set == ret.alias_info.before_set:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                k = next((k for k, t in enumerate(tensors) if t is v), None)
+                if k is not None:
+                    out[j] = k
+    return out
+
+
+def _functional(func):
+    """The out-of-place op of an in-place (``add_``) or out= op, resolved by argument matching."""
+    name = func.overloadpacket.__name__
+    return getattr(torch.ops.aten, name[:-1] if name.endswith("_") else name)
+
+
+def write_back(func, args, kwargs):
+    """Run the functional op, then box its result into the written tensor's layout and copy it in."""
+    target = written_objects(func, args, kwargs)[0]
+    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    result = _functional(func)(*args, **kwargs)
+    result = box(result if isinstance(result, GlobalTensor) else replicate(result, target.placement),
+                 target._layout)
+    for r, piece in target._pieces.items():
+        piece.copy_(result._pieces[r])
+    return target

@@ -1,0 +1,96 @@
+"""Running a decided op: box the inputs, call the aten op on each held rank's pieces, wrap.
+
+This is the hot path of every op after its first call; everything that can be worked out
+once (positions of the tensors, target layouts, output layouts and kinds, the ranks this
+process holds) is worked out when the decision is made.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import get_world
+from ..tensor import GlobalTensor, box, replicate
+from .args import Substitution, get
+
+
+class LocalRun:
+    def __init__(self, func, positions, targets, out_kind, out_layouts, local, returns_input, kernel=None):
+        self.func = func
+        self.kernel = kernel
+        self.call = func._op
+        self.positions = positions
+        self.substitute = Substitution(positions)
+        self.targets = targets
+        self.out_kind = out_kind
+        self.out_layouts = out_layouts
+        self.local = local
+        self.returns_input = returns_input
+        self.placement = (targets or out_layouts)[0].placement
+        self.all_broadcast = [all(v.is_broadcast for v in t.nd_sbp) for t in targets]
+        self._world = None
+
+    def _held(self):
+        world = get_world()
+        if world is not self._world:
+            self._world = world
+            self.ranks = [r for r in self.placement.rank_list() if world.holds(r)]
+            self.devices = {r: world.device(self.placement.type, r) for r in self.ranks}
+        return self.ranks
+
+    def _inputs(self, args, kwargs) -> list:
+        """Each tensor input in its target layout: a global tensor, or a plain tensor used as is."""
+        flat = self.substitute.flat_indices
+        values = [args[i] for i in flat] if flat is not None else [get(args, kwargs, p) for p in self.positions]
+        for n, (v, target) in enumerate(zip(values, self.targets)):
+            if type(v) is not GlobalTensor:
+                if not self.all_broadcast[n]:
+                    values[n] = box(replicate(v, self.placement), target)
+            elif v._layout is not target:
+                if v._layout == target:
+                    v._layout = target  # the interned equal object: next time an identity check
+                else:
+                    values[n] = box(v, target)
+        return values
+
+    def __call__(self, args, kwargs):
+        ranks = self._held()
+        inputs = self._inputs(args, kwargs)
+        call, local, substitute = self.call, self.local, self.substitute
+        if self.kernel is not None:
+            return self._wrap(self._run_kernel(args, kwargs, ranks, inputs), ranks, inputs)
+        results = {}
+        for r in ranks:
+            values = [v._pieces[r] if type(v) is GlobalTensor else v.to(self.devices[r]) for v in inputs]
+            a, kw = substitute(args, kwargs, values)
+            if local is not None:
+                a, kw = local(r, self.targets, self.out_layouts, *a, **kw)
+            results[r] = call(*a, **kw)
+        return self._wrap(results, ranks, inputs)
+
+    def _run_kernel(self, args, kwargs, ranks, inputs) -> dict:
+        """The rule's kernel runs the whole call (once, even when no rank is held here)."""
+        calls = {}
+        for r in ranks:
+            values = [v._pieces[r] if type(v) is GlobalTensor else v.to(self.devices[r]) for v in inputs]
+            a, kw = self.substitute(args, kwargs, values)
+            if self.local is not None:
+                a, kw = self.local(r, self.targets, self.out_layouts, *a, **kw)
+            calls[r] = (a, kw)
+        return self.kernel(self.func, args, kwargs, self.targets, self.out_layouts, calls)
+
+    def _wrap(self, results, ranks, inputs):
+        kind = self.out_kind
+        if kind == "tensor":
+            k = self.returns_input.get(0)
+            if k is not None:
+                return inputs[k]
+            return GlobalTensor(self.out_layouts[0], results, device=self.devices.get(ranks[0]) if ranks else None)
+        if kind == "none":
+            return None
+        n = len(self.out_layouts)
+        outs = []
+        for j in range(n):
+            k = self.returns_input.get(j)
+            outs.append(inputs[k] if k is not None else
+                        GlobalTensor(self.out_layouts[j], {r: results[r][j] for r in ranks}))
+        return tuple(outs) if kind == "tuple" else outs

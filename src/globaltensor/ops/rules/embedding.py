@@ -1,0 +1,96 @@
+"""Embedding lookups: ``embedding(weight [V, D], indices [...]) -> [..., D]`` and the weight's gradient.
+
+Forward candidates:
+
+- ``B, S(d) -> S(d)``: indices split along any of their dims, every rank holds the table.
+- ``S(1), B -> S(n)``: the embedding dim split (n = indices.dim(), the output's last dim).
+- ``S(0), B -> P``: the vocabulary split. Each rank looks up only the ids in its own range
+  ``[lo, lo + len)`` of the table (shifted by ``-lo``) and gives zero rows for the others;
+  the pieces sum to the lookup in the whole table.
+- ``P, B -> P``: a lookup is linear in the table.
+
+The vocabulary split is not the aten op on the pieces (the ids must be shifted and the
+foreign ones masked), so the op runs through a ``kernel``; it reads the range from the rank's
+box of the weight's layout, which makes it right for every nd-SBP (``(S(0), S(1))`` too), and
+runs the plain op where a rank holds the whole vocabulary.
+
+``embedding_dense_backward(grad [..., D], indices, V, padding_idx, scale_grad_by_freq) -> [V, D]``:
+
+- ``S(d), S(d) -> P``: each rank scatters its own rows' gradients into the whole table's;
+  not with ``scale_grad_by_freq``, whose counts must be over all the indices.
+- ``S(n), B -> S(1)``: the embedding dim split.
+- ``B, B -> S(0)``: each rank makes the gradient of its vocabulary range (so a vocab-split
+  table gets its gradient as S(0), with no communication), from the ids in its range only --
+  the op runs on those rows alone, so ``padding_idx`` and frequency counts stay exact.
+- ``P, B -> P``: linear in the gradient.
+
+An id outside ``[0, V)`` raises on one device; under the vocabulary split no rank owns it and
+its row is zero instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..registry import aten, register_rule
+from .common import B, P, S, sig
+from .nn_activation import bound
+
+
+def _local_padding(padding_idx: int, lo: int, n: int) -> int:
+    return padding_idx - lo if padding_idx >= 0 and lo <= padding_idx < lo + n else -1
+
+
+def _embedding_candidates(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    n = indices.dim()
+    return [sig([B, S(d)], [S(d)]) for d in range(n)] + [
+        sig([S(1), B], [S(n)]), sig([S(0), B], [P]), sig([P, B], [P])]
+
+
+def _embedding_kernel(func, args, kwargs, ins, outs, calls):
+    vocab = ins[0].shape[0]
+    results = {}
+    for r, (ra, rkw) in calls.items():
+        lo, n = ins[0].box(r)[0]
+        if (lo, n) == (0, vocab):
+            results[r] = func(*ra, **rkw)
+            continue
+        a = bound(func, ra, rkw)
+        weight, ids = a["weight"], a["indices"]
+        inside = (ids >= lo) & (ids < lo + n)
+        if n == 0:
+            results[r] = weight.new_zeros(tuple(ids.shape) + (weight.shape[1],))
+            continue
+        local_ids = (ids - lo).masked_fill_(~inside, 0)
+        out = func(weight, local_ids, _local_padding(a["padding_idx"], lo, n), a["scale_grad_by_freq"],
+                   a["sparse"])
+        results[r] = out.masked_fill_(~inside.unsqueeze(-1), 0)
+    return results
+
+
+register_rule(aten.embedding.default, _embedding_candidates, kernel=_embedding_kernel)
+
+
+def _dense_backward_candidates(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    n = indices.dim()
+    local = [] if scale_grad_by_freq else [sig([S(d), S(d)], [P]) for d in range(n)]
+    return local + [sig([S(n), B], [S(1)]), sig([B, B], [S(0)]), sig([P, B], [P])]
+
+
+def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
+    vocab = outs[0].shape[0]
+    results = {}
+    for r, (ra, rkw) in calls.items():
+        lo, n = outs[0].box(r)[0]
+        if (lo, n) == (0, vocab):
+            results[r] = func(*ra, **rkw)
+            continue
+        a = bound(func, ra, rkw)
+        grad, ids = a["grad_output"], a["indices"]
+        inside = ((ids >= lo) & (ids < lo + n)).reshape(-1)
+        rows = grad.reshape(-1, grad.shape[-1])[inside]
+        results[r] = func(rows, ids.reshape(-1)[inside] - lo, n, _local_padding(a["padding_idx"], lo, n),
+                          a["scale_grad_by_freq"])
+    return results
+
+
+register_rule(aten.embedding_dense_backward.default, _dense_backward_candidates, kernel=_dense_backward_kernel)
