@@ -111,9 +111,10 @@ def timed(fn: Callable, *, warmup: int = 3, repeats: int = 7, inner: int = 3, sy
 
 def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, sync: bool = True) -> dict:
     """Like :func:`timed` for several functions, their rounds interleaved (a, b, c, a, b, c, ...)
-    so that drift in the machine's load hits each alike. ``None`` entries are skipped."""
+    so that drift in the machine's load hits each alike. ``None`` entries are skipped.
+    ``sync=False``: no barrier before a round and no reduction over ranks (one process)."""
     import torch.distributed as dist
-    on = dist.is_available() and dist.is_initialized()
+    on = sync and dist.is_available() and dist.is_initialized()
     names = [k for k, f in fns.items() if f is not None]
     for k in names:
         for _ in range(warmup):
@@ -123,7 +124,7 @@ def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, 
     for _ in range(repeats):
         for k in names:
             fn = fns[k]
-            if on and sync:
+            if on:
                 dist.barrier()
             t0 = time.perf_counter()
             for _ in range(inner):

@@ -64,22 +64,36 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
             return DTensor.from_local(full, mesh, [Partial()], run_check=False)
         return distribute_tensor(full, mesh, [dt_pl(name)])
 
+    # raw: the collective alone, inputs pre-arranged; like the others it returns a fresh tensor
+    # and leaves its input intact (an in-place all_reduce works on a fresh copy).
     def raw_fn(conv):
         piece0 = full.narrow(0, rank * n, n).contiguous()
         if conv == "S(0)->B":
-            out = torch.empty(size, size)
-            return lambda: dist.all_gather_single(out, piece0)
+            def f():
+                out = torch.empty(size, size)
+                dist.all_gather_single(out, piece0)
+                return out
+            return f
         if conv == "P->B":
-            buf = full.clone()
-            return lambda: dist.all_reduce(buf)
+            def f():
+                buf = full.clone()
+                dist.all_reduce(buf)
+                return buf
+            return f
         if conv in ("S(0)->S(1)", "S(1)->S(0)"):
             send = piece0.clone()
-            recv = torch.empty_like(send)
-            return lambda: dist.all_to_all_single(recv, send)
+
+            def f():
+                recv = torch.empty_like(send)
+                dist.all_to_all_single(recv, send)
+                return recv
+            return f
         if conv == "P->S(0)":
-            src = full.clone()
-            out = torch.empty(n, size)
-            return lambda: dist.reduce_scatter_single(out, src)
+            def f():
+                out = torch.empty(n, size)
+                dist.reduce_scatter_single(out, full)
+                return out
+            return f
         if conv == "B->S(0)":
             return lambda: full.narrow(0, rank * n, n).clone()
         if conv == "S(0)->P":
@@ -92,13 +106,11 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
 
     def raw_a2a_sum():
         # P->S: an all-to-all of the parts and a local sum (what beats gloo's reduce-scatter)
-        src = full.clone()
-        recv = torch.empty_like(src)
-
         def f():
-            dist.all_to_all_single(recv, src)
-            out = recv[:n].clone()
-            for i in range(1, world):
+            recv = torch.empty_like(full)
+            dist.all_to_all_single(recv, full)
+            out = torch.add(recv[:n], recv[n:2 * n])
+            for i in range(2, world):
                 out.add_(recv[i * n:(i + 1) * n])
             return out
         return f
@@ -164,24 +176,38 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         return distribute_tensor(full, mesh2, pls)
 
     def raw2(name):
+        i, j = coord
         if name == "(S0,S1)->(B,B)":
-            piece = full[:h, :h].contiguous()
-            out = torch.empty(4 * h, h)
-            return "all_gather world 1 MB", lambda: dist.all_gather_single(out, piece)
-        if name == "(P,P)->(B,B)":
-            buf = full.clone()
-            return "all_reduce world 4 MB", lambda: dist.all_reduce(buf)
-        if name == "(S0,B)->(B,S1)":
-            piece = full[:h].contiguous()
+            piece = full[i * h:(i + 1) * h, j * h:(j + 1) * h].contiguous()
 
             def f():
-                mine = piece[:, coord[1] * h:(coord[1] + 1) * h].contiguous()
+                out = torch.empty(4 * h, h)
+                dist.all_gather_single(out, piece)
+                return out.view(2, 2, h, h).permute(0, 2, 1, 3).reshape(size, size)
+            return "all_gather world 1 MB + reorder", f
+        if name == "(P,P)->(B,B)":
+            def f():
+                buf = full.clone()
+                dist.all_reduce(buf)
+                return buf
+            return "all_reduce world 4 MB", f
+        if name == "(S0,B)->(B,S1)":
+            piece = full[i * h:(i + 1) * h]
+
+            def f():
+                mine = piece[:, j * h:(j + 1) * h].contiguous()
                 out = torch.empty(size, h)
                 dist.all_gather_single(out, mine, group=my_axis0)
+                return out
             return "slice + all_gather pairs 1 MB", f
         if name == "(P,S0)->(B,S0)":
-            buf = full[:h].clone()
-            return "all_reduce pairs 2 MB", lambda: dist.all_reduce(buf, group=my_axis0)
+            piece = full[j * h:(j + 1) * h]
+
+            def f():
+                buf = piece.clone()
+                dist.all_reduce(buf, group=my_axis0)
+                return buf
+            return "all_reduce pairs 2 MB", f
         raise KeyError(name)
 
     two_d = [("(S0,S1)->(B,B)", (S(0), S(1)), (B, B), [Shard(0), Shard(1)], [Replicate(), Replicate()]),
@@ -208,12 +234,13 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
 
     def raw_01_to_23():
         piece = full[:h].contiguous() if rank in (0, 2) else full[h:].contiguous()
-        buf = torch.empty(h, size)
 
         def f():
-            op = dist.P2POp(dist.isend, piece, rank + 2) if rank < 2 else dist.P2POp(dist.irecv, buf, rank - 2)
+            buf = piece if rank < 2 else torch.empty(h, size)
+            op = dist.P2POp(dist.isend, buf, rank + 2) if rank < 2 else dist.P2POp(dist.irecv, buf, rank - 2)
             for w in dist.batch_isend_irecv([op]):
                 w.wait()
+            return buf
         return f
 
     def raw_s0_to_2d():
@@ -221,34 +248,33 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         q = size // 4
         piece = full[rank * q:(rank + 1) * q]
         partner = rank ^ 1
-        keep_col = rank % 2
-        send = piece[:, (1 - keep_col) * h:(2 - keep_col) * h].contiguous()
-        recv = torch.empty(q, h)
-        out = torch.empty(h, h)
+        keep = rank % 2
 
         def f():
+            send = piece[:, (1 - keep) * h:(2 - keep) * h].contiguous()
+            out = torch.empty(h, h)
+            recv = out[(1 - keep) * q:(2 - keep) * q]
             ops = [dist.P2POp(dist.isend, send, partner), dist.P2POp(dist.irecv, recv, partner)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-            mine, other = (0, 1) if rank % 2 == 0 else (1, 0)
-            out[mine * q:(mine + 1) * q].copy_(piece[:, keep_col * h:(keep_col + 1) * h])
-            out[other * q:(other + 1) * q].copy_(recv)
+            out[keep * q:(keep + 1) * q].copy_(piece[:, keep * h:(keep + 1) * h])
+            return out
         return f
 
     def raw_b_to_superset():
-        buf = full.clone() if rank < 2 else torch.empty(size, size)
-
         def f():
+            buf = full if rank < 2 else torch.empty(size, size)
             op = dist.P2POp(dist.isend, buf, rank + 2) if rank < 2 else dist.P2POp(dist.irecv, buf, rank - 2)
             for w in dist.batch_isend_irecv([op]):
                 w.wait()
+            return buf
         return f
 
     moves = [
         ("[0,1] S(0) -> [2,3] S(0)", lambda: gt.distribute(full, p01, S(0)), p23, S(0), raw_01_to_23,
          "send/recv 0->2, 1->3 (2 MB)", full),
         ("[0..3] S(0) -> [[0,1],[2,3]] (S0,S1)", lambda: gt.distribute(full, p4, S(0)), p2, (S(0), S(1)),
-         raw_s0_to_2d, "isend/irecv pairs (0.5 MB) + copy", full),
+         raw_s0_to_2d, "isend/irecv pairs (0.5 MB) + local copy", full),
         ("[0,1] B -> [0,1,2,3] B", lambda: gt.distribute(full, p01, B), p4, B, raw_b_to_superset,
          "send/recv 0->2, 1->3 (4 MB)", full),
     ]

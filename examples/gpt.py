@@ -2,12 +2,12 @@
 ``gt.nn.distribute_module``, on global tensors.
 
 token embedding + learned position embedding -> N blocks of
-[layer norm -> causal self-attention (qkv linear, heads, scaled_dot_product_attention,
-out proj) -> residual, layer norm -> MLP (fc1, GELU, fc2) -> residual]
+[layer norm -> causal self-attention (qkv linear, heads, scaled_dot_product_attention
+or an explicit masked softmax, out proj) -> residual, layer norm -> MLP (fc1, GELU, fc2) -> residual]
 -> final layer norm -> lm head; ``loss(idx, targets)`` is the cross-entropy.
 
-Nothing here knows about globaltensor: shapes come from the config, never from
-``x.shape`` splits of local pieces, so a global tensor's (logical) shape works as is.
+Nothing here knows about globaltensor: on a global tensor ``x.shape`` is the logical
+shape, so the code reads the same on one device and on many.
 """
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+#: Megatron-style tensor parallelism for this model, as data: the module-name patterns of the
+#: column-parallel linears (qkv, fc1: output features split) and of the row-parallel ones that
+#: follow them (proj, fc2: input features split). ``gt.nn.megatron_plan(**TENSOR_PARALLEL, ...)``
+#: turns it into a plan.
+TENSOR_PARALLEL = {"column": ["*.attn.qkv", "*.mlp.fc1"], "row": ["*.attn.proj", "*.mlp.fc2"]}
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -27,7 +33,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 32
     mlp_ratio: int = 4
-    attention: str = "broadcast"   # "sdpa", "matmul" or "broadcast" (see CausalSelfAttention)
+    attention: str = "sdpa"   # or "matmul": the explicit masked softmax (see CausalSelfAttention)
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,16 +41,12 @@ class CausalSelfAttention(nn.Module):
 
     The qkv projection's output features are laid out head-major, ``[heads, 3, head_dim]``,
     so that splitting them over tensor-parallel ranks (column parallel) gives each rank whole
-    heads with their q, k and v. ``cfg.attention`` picks how the scores are computed:
-
-    - ``"sdpa"``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``[b, heads, t, hd]``;
-    - ``"matmul"``: the explicit form, ``softmax(mask(q @ k^T) / sqrt(hd)) @ v``, on the same shapes;
-    - ``"broadcast"``: the same masked softmax computed in the ``[b, t, heads, hd]`` layout by
-      broadcasting products and sums, with no transposes (no non-contiguous views).
-    All three give the same values (to float rounding).
+    heads with their q, k and v. ``cfg.attention`` picks how attention is computed:
+    ``"sdpa"``: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``; ``"matmul"``: the
+    explicit ``softmax(masked(q @ k^T) / sqrt(head_dim)) @ v``. Both give the same values.
     """
 
-    IMPLS = ("sdpa", "matmul", "broadcast")
+    IMPLS = ("sdpa", "matmul")
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -57,27 +59,21 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        causal = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-        self.register_buffer("causal", causal, persistent=False)
+        if self.impl == "matmul":
+            causal = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+            self.register_buffer("causal", causal, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, self.n_head, 3, self.head_dim).unbind(3)   # 3 x [b, t, heads, hd]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if self.impl == "broadcast":
-            att = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) * scale               # [b, t_q, t_k, heads]
-            att = att.masked_fill(~self.causal[:t, :t, None], float("-inf")).softmax(dim=2)
-            y = (att.unsqueeze(-1) * v.unsqueeze(1)).sum(2)                        # [b, t, heads, hd]
+        qkv = self.qkv(x).view(b, t, self.n_head, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)                 # 3 x [b, heads, t, head_dim]
+        if self.impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            q, k, v = (z.transpose(1, 2) for z in (q, k, v))                       # [b, heads, t, hd]
-            if self.impl == "sdpa":
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                att = (q @ k.transpose(-2, -1)) * scale
-                att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(dim=-1)
-                y = att @ v
-            y = y.transpose(1, 2)
-        return self.proj(y.reshape(b, t, c))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(dim=-1)
+            y = att @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class MLP(nn.Module):

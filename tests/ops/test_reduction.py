@@ -25,6 +25,7 @@ FLOAT_CASES = [
     (aten.sum.dim_IntList, (None,), {}),
     (aten.sum.dim_IntList, ([],), {}),
     (aten.sum.dim_IntList, ([1], False), {"dtype": torch.float64}),
+    (aten.sum.dim_IntList, ([0],), {"dtype": torch.int64}),   # truncating partial pieces would be wrong
     (aten.mean.default, (), {}),
     (aten.mean.dim, ([0],), {}),
     (aten.mean.dim, ([-2], True), {}),
@@ -97,7 +98,7 @@ INT_CASES = [
 
 def _id(case):
     op, args, kwargs = case
-    return f"{op}{list(args)}{sorted(kwargs)}"
+    return f"{op}{list(args)}" + "".join(f"-{k}={v}" for k, v in kwargs.items())
 
 
 def _data(shape, kind):
@@ -206,6 +207,7 @@ def test_sum_and_mean_of_split_dim_are_partial_without_traffic(rows):
         torch.testing.assert_close(m1.full_tensor(), x.mean(0, keepdim=True))
 
 
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0")   # torch, on rank 3's empty piece
 def test_reductions_keep_split_of_other_dims_without_traffic():
     x = _data((7, 5, 3), "float")
     with gt.simulate(4):
@@ -281,7 +283,7 @@ COMPOSITIONS = {
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_compositions_with_gradients(name, shape):
     x = _data(shape, "float")
-    check_layouts(COMPOSITIONS[name], x, grad=True, trials=4, seed=len(name))
+    check_layouts(COMPOSITIONS[name], x, grad=True, trials=3, seed=len(name))
 
 
 @pytest.mark.parametrize("name", ["sum0", "sum_all", "mean_sq", "mean1_keep", "amax1", "var0", "norm"])

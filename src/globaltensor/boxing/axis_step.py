@@ -7,6 +7,7 @@ when no axis outside ``A`` after the first of ``A`` splits a dim that ``x`` or `
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from itertools import combinations
 
 from ..comm.stats import ring_bytes
@@ -33,6 +34,7 @@ def step_op(x, y) -> str:
     return "reduce_scatter" if y.is_split else "all_reduce"
 
 
+@lru_cache(maxsize=65536)
 def make_step(src: Layout, axes: tuple, y) -> Step:
     """The step setting ``axes`` of ``src`` to ``y``, with its exact bytes per rank."""
     x = src.nd_sbp[axes[0]]
@@ -49,7 +51,8 @@ def make_step(src: Layout, axes: tuple, y) -> Step:
     return Step(op, src, dst, tuple(axes), groups, tuple(sorted(sent.items())))
 
 
-def regroups(src: Layout, target: tuple) -> list:
+@lru_cache(maxsize=16384)
+def regroups(src: Layout, target: tuple) -> tuple:
     """All-to-alls straight from ``src`` to ``target`` over groups of axes, where valid.
 
     They move the intersecting blocks from the source pieces to the target pieces at once,
@@ -61,7 +64,7 @@ def regroups(src: Layout, target: tuple) -> list:
     """
     changed = [a for a, (x, y) in enumerate(zip(src.nd_sbp, target)) if x != y]
     if not changed or not all(src.nd_sbp[a].is_split and target[a].is_split for a in changed):
-        return []
+        return ()
     extra = [a for a, v in enumerate(src.nd_sbp) if a not in changed and v.is_split]
     dst = src.with_sbp(target)
     out = []
@@ -74,7 +77,7 @@ def regroups(src: Layout, target: tuple) -> list:
                 for g in groups:
                     sent.update(_group_bytes("all_to_all", src, dst, g))
                 out.append(Step("all_to_all", src, dst, axes, groups, tuple(sorted(sent.items()))))
-    return out
+    return tuple(out)
 
 
 def _covers(src: Layout, dst: Layout, groups: tuple) -> bool:

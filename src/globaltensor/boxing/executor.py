@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import stats
 from ..comm.world import World
 from .layout import Layout, intersect, relative, take
 from .plan import Plan, Step
@@ -21,6 +22,13 @@ def execute(plan: Plan, pieces: dict, world: World) -> dict:
 
 def _local(group, world):
     return [r for r in group if world.holds(r)]
+
+
+def _skip(step: Step, group) -> None:
+    """This process holds no rank of ``group``: count its collective all the same, so that every
+    process's gt.comm_stats() sees every rank's bytes (the plan knows them from global meta)."""
+    if stats.recording():
+        stats.record(step.op, group, {r: b for r, b in step.bytes_per_rank if r in group})
 
 
 def _alone(group, pieces, out) -> bool:
@@ -47,6 +55,7 @@ def _all_gather(step: Step, pieces, world):
             continue
         mine = _local(g, world)
         if not mine:
+            _skip(step, g)
             continue
         sizes = [step.src.box(r)[dim][1] for r in g]
         full = _box_shape(step.dst.box(g[0]))
@@ -61,6 +70,7 @@ def _all_gather_across(step: Step, pieces, world):
     g = step.groups[0]
     mine = _local(g, world)
     if not mine:
+        _skip(step, g)
         return {}
     device = lambda r: world.device(dst.placement.type, r)
     size_of = dict(zip(g, step.sizes))
@@ -93,6 +103,8 @@ def _reduce_scatter(step: Step, pieces, world):
         if mine:
             sizes = [step.dst.box(r)[dim][1] for r in g]
             out.update(world.reduce_scatter(g, {r: pieces[r] for r in mine}, dim, sizes))
+        else:
+            _skip(step, g)
     return out
 
 
@@ -104,6 +116,8 @@ def _all_reduce(step: Step, pieces, world):
         mine = _local(g, world)
         if mine:
             out.update(world.all_reduce(g, {r: pieces[r] for r in mine}))
+        else:
+            _skip(step, g)
     return out
 
 
@@ -115,6 +129,7 @@ def _all_to_all(step: Step, pieces, world):
             continue
         mine = _local(g, world)
         if not mine:
+            _skip(step, g)
             continue
         blocks = [[intersect(src.box(s), dst.box(d)) for d in g] for s in g]
         zero = (0,) * len(src.shape)
@@ -181,6 +196,8 @@ def _broadcast(step: Step, pieces, world):
         got = world.broadcast(g, step.root, {r: pieces[r] for r in mine if r == step.root},
                               tuple(step.src.shape), step.src.dtype, step.src.placement.type)
         out.update({r: got[r].to(device(r)) for r in mine if r in step.dst.placement and r not in out})
+    else:
+        _skip(step, g)
     return out
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product
 
 import torch
@@ -40,7 +41,7 @@ class Layout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def piece_bytes(self, rank: int) -> int:
         return numel(self.piece_shape(rank)) * self.itemsize
@@ -50,7 +51,8 @@ class Layout:
         return any(v.is_partial for v in self.nd_sbp)
 
 
-def axis_groups(placement: Placement, axes: tuple) -> list:
+@lru_cache(maxsize=4096)
+def axis_groups(placement: Placement, axes: tuple) -> tuple:
     """The groups of ranks that vary along ``axes`` with the other coordinates fixed.
 
     Members of a group are in row-major order over ``axes``; groups are in row-major order
@@ -65,7 +67,7 @@ def axis_groups(placement: Placement, axes: tuple) -> list:
             index[a] = i
         sub = ranks[tuple(index)]
         groups.append(tuple(int(r) for r in sub.reshape(-1)))
-    return groups
+    return tuple(groups)
 
 
 def intersect(a: tuple, b: tuple):

@@ -13,7 +13,7 @@ several modules (tied weights) stays shared.
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Tuple, Union
 
 import torch
 from torch import nn

@@ -21,8 +21,6 @@ from typing import Iterable, Mapping, Optional
 
 from ..sbp import broadcast, split
 
-B = broadcast
-
 #: Per-parameter SBPs, on the tensor-parallel axis, of a column-parallel ``nn.Linear``.
 COLUMN_PARALLEL: Mapping[str, object] = {"weight": split(0), "bias": split(0)}
 #: Per-parameter SBPs, on the tensor-parallel axis, of a row-parallel ``nn.Linear``.

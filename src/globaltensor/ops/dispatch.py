@@ -26,6 +26,7 @@ from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
 from .local_run import LocalRun
 from .registry import find_rule
+from .viewwrite import wrap as _views_and_writes
 
 _CACHE: dict = {}
 _UNCACHEABLE = object()
@@ -94,7 +95,7 @@ def _out_kind(meta_out) -> str:
         return "tensor"
     if meta_out is None:
         return "none"
-    if isinstance(meta_out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in meta_out):
+    if isinstance(meta_out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in meta_out):
         return "tuple" if isinstance(meta_out, tuple) else "list"
     return "other"
 
@@ -119,7 +120,7 @@ def _decide(func, args, kwargs) -> Callable:
         return _flat(lambda f, s: run_fallback(func, f, s))
     tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
     placement = _placement_of(func, tensors)
-    outs = [meta_out] if kind == "tensor" else list(meta_out) if kind != "none" else []
+    outs = [meta_out] if kind == "tensor" else [o for o in meta_out if o is not None] if kind != "none" else []
     per_axis = [as_signature(c) for c in rule.candidates(*meta_args, **meta_kwargs)]
     per_axis = [c for c in per_axis + [all_broadcast(len(tensors), len(outs))]
                 if len(c.inputs) == len(tensors) and len(c.outputs) == len(outs)]
@@ -127,10 +128,13 @@ def _decide(func, args, kwargs) -> Callable:
                   Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim) for t in tensors]
     written = {id(v) for v in written_objects(func, args, kwargs)}
     kept = [k for k, t in enumerate(tensors) if id(t) in written]
+    returned = returned_inputs(func, args, kwargs, tensors)
+    # a written tensor keeps its layout, as an input and as the output that returns it
     candidates = [c for c in nd_candidates([per_axis] * placement.ndim)
-                  if all(c.inputs[k] == in_layouts[k].nd_sbp for k in kept)]
+                  if all(c.inputs[k] == in_layouts[k].nd_sbp for k in kept)
+                  and all(c.outputs[j] == in_layouts[k].nd_sbp for j, k in returned.items() if j < len(c.outputs))]
     if kept and not candidates:
-        return lambda a, k: write_back(func, a, k)
+        return _views_and_writes(func, lambda a, k: write_back(func, a, k), positions, [], kept)
     out_meta = [(tuple(o.shape), o.dtype) for o in outs]
     if rule.check_shapes:
         candidates = [c for c in candidates
@@ -147,8 +151,10 @@ def _decide(func, args, kwargs) -> Callable:
     chosen = choose(candidates, cost)
     targets = [_intern(lay.with_sbp(nd)) for lay, nd in zip(in_layouts, chosen.inputs)]
     out_layouts = [_intern(Layout(shape, dtype, placement, nd)) for (shape, dtype), nd in zip(out_meta, chosen.outputs)]
-    return LocalRun(func, positions, targets, kind, out_layouts, rule.local,
-                    returned_inputs(func, args, kwargs, tensors), rule.kernel)
+    run = LocalRun(func, positions, targets, kind, out_layouts, rule.local,
+                   returned, rule.kernel,
+                   [o is not None for o in meta_out] if kind in ("tuple", "list") else None)
+    return _views_and_writes(func, run, positions, targets, kept)
 
 
 _LAYOUTS: dict = {}

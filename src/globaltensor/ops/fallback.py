@@ -14,6 +14,7 @@ from ..boxing import Layout
 from ..comm import get_world
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, replicate
+from .viewwrite import fallback_view, propagate
 
 _warned: set = set()
 
@@ -55,7 +56,9 @@ def run_fallback(func, flat, spec):
                           GlobalTensor(Layout(tuple(v.shape), v.dtype, placement, b), pieces))
         else:
             result.append(v)
-    return tree_unflatten(result, out_spec)
+    out = tree_unflatten(result, out_spec)
+    fallback_view(func, *tree_unflatten(flat, spec), out)
+    return out
 
 
 def _write_into_input(func, flat, gathered, pieces):
@@ -66,5 +69,6 @@ def _write_into_input(func, flat, gathered, pieces):
                 result = box(GlobalTensor(g._layout, pieces), orig._layout)
                 for r, piece in orig._pieces.items():
                     piece.copy_(result._pieces[r])
+            propagate(orig)
             return orig
     return None

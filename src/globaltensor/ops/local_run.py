@@ -14,9 +14,13 @@ from .args import Substitution, get
 
 
 class LocalRun:
-    def __init__(self, func, positions, targets, out_kind, out_layouts, local, returns_input, kernel=None):
+    def __init__(self, func, positions, targets, out_kind, out_layouts, local, returns_input, kernel=None,
+                 out_slots=None):
         self.func = func
         self.kernel = kernel
+        # a tuple / list result: which of its entries are tensors (the others are None, e.g. the
+        # grads a backward op's output_mask leaves out); out_layouts has one per tensor entry
+        self.out_slots = out_slots
         self.call = func._op
         self.positions = positions
         self.substitute = Substitution(positions)
@@ -87,10 +91,14 @@ class LocalRun:
             return GlobalTensor(self.out_layouts[0], results, device=self.devices.get(ranks[0]) if ranks else None)
         if kind == "none":
             return None
-        n = len(self.out_layouts)
-        outs = []
-        for j in range(n):
+        slots = self.out_slots if self.out_slots is not None else [True] * len(self.out_layouts)
+        outs, n = [], 0
+        for j, is_tensor in enumerate(slots):
+            if not is_tensor:
+                outs.append(None)
+                continue
             k = self.returns_input.get(j)
             outs.append(inputs[k] if k is not None else
-                        GlobalTensor(self.out_layouts[j], {r: results[r][j] for r in ranks}))
+                        GlobalTensor(self.out_layouts[n], {r: results[r][j] for r in ranks}))
+            n += 1
         return tuple(outs) if kind == "tuple" else outs

@@ -11,13 +11,20 @@ on every rank is a broadcast). ``zeros_like`` may also keep ``P -> P``: zeros su
 is a broadcast, whatever ``x``'s layout; where ``size`` is ``x``'s own shape the new tensor
 keeps ``x``'s split instead, and ``local`` gives each rank its piece's shape.
 
-Not here: ``rand_like`` / ``randn_like`` must draw from the sharding-invariant generator
-(ops/rng.py), which a rule cannot reach -- the local op would draw from torch's generator,
-different on every rank -- and ``scalar_tensor`` takes no tensor, so it never reaches the
-dispatcher of global tensors.
+``rand_like`` / ``randn_like`` take the same layouts as the other ``*_like`` ops but must not
+run the aten op on the pieces: it would draw from torch's generator, different on every rank
+(broadcast replicas that differ) and blind to where a piece lies. They run through a
+``kernel`` drawing from the sharding-invariant generator (ops/rng.py) exactly as
+``gt.rand`` / ``gt.randn`` do: one counter reservation per call, in every process, and each
+rank hashes only the positions of its own piece's box -- so ``torch.rand_like(x)`` is the
+same logical tensor as ``gt.rand(*x.shape, ...)`` after the same seed, for any layout of ``x``.
+A ``generator=`` argument is not supported (its overload has no rule).
+
+``scalar_tensor`` takes no tensor, so it never reaches the dispatcher of global tensors.
 """
 from __future__ import annotations
 
+from .. import rng
 from ..registry import aten, register_rule
 from .common import B, P, S, sig
 from .reduction import schema_args, with_arg
@@ -32,6 +39,22 @@ def _like(partial_stays: bool):
 
 register_rule(aten.zeros_like.default, _like(partial_stays=True))
 register_rule([aten.ones_like.default, aten.full_like.default, aten.empty_like.default], _like(partial_stays=False))
+
+
+def _random_like(draw):
+    def kernel(func, args, kwargs, ins, outs, calls):
+        layout = outs[0]
+        n = 1
+        for s in layout.shape:
+            n *= s
+        offset = rng.next_offset(max(1, n))   # as the factories reserve, so rand_like(x) == gt.rand(x.shape)
+        return {r: draw(rng.positions(layout.shape, layout.box(r), a[0].device), offset, layout.dtype)
+                for r, (a, kw) in calls.items()}
+    return kernel
+
+
+register_rule(aten.rand_like.default, _like(partial_stays=False), kernel=_random_like(rng.uniform))
+register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_random_like(rng.normal))
 
 
 def _new(op):

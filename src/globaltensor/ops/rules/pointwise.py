@@ -17,18 +17,22 @@ import torch
 from ..registry import aten, register_rule, register_tag_rule
 from .common import B, P, S, sig, tensors_of
 
-# op name -> groups of tensor inputs (positions in dispatch order) that may be partial together
+# op name -> groups of arguments (by schema name) that may be partial together
+_SELF = [("self",)]
 _LINEAR = {
-    "add": [(0, 1)], "add_": [(0, 1)], "sub": [(0, 1)], "sub_": [(0, 1)], "rsub": [(0, 1)],
-    "mul": [(0,), (1,)], "mul_": [(0,), (1,)], "div": [(0,)], "div_": [(0,)],
-    "neg": [(0,)], "neg_": [(0,)], "positive": [(0,)],
-    "clone": [(0,)], "_to_copy": [(0,)], "copy": [(0, 1)], "copy_": [(0, 1)],
-    "alias": [(0,)], "detach": [(0,)], "lift_fresh": [(0,)],
-    "real": [(0,)], "imag": [(0,)], "conj_physical": [(0,)], "view_as_real": [(0,)],
-    "where": [(1, 2)], "lerp": [(0, 1)], "lerp_": [(0, 1)],
-    "addcmul": [(0, 1), (0, 2)], "addcmul_": [(0, 1), (0, 2)], "addcdiv": [(0, 1)], "addcdiv_": [(0, 1)],
-    "masked_fill": [(0,)], "masked_fill_": [(0,)],
+    "add": [("self", "other")], "add_": [("self", "other")], "sub": [("self", "other")],
+    "sub_": [("self", "other")], "rsub": [("self", "other")],
+    "mul": [("self",), ("other",)], "mul_": [("self",), ("other",)], "div": _SELF, "div_": _SELF,
+    "neg": _SELF, "neg_": _SELF, "positive": _SELF, "clone": _SELF, "_to_copy": _SELF,
+    "copy": [("self", "src")], "copy_": [("self", "src")],
+    "alias": _SELF, "detach": _SELF, "lift_fresh": _SELF,
+    "real": _SELF, "imag": _SELF, "conj_physical": _SELF, "view_as_real": _SELF,
+    "where": [("self", "other")], "lerp": [("self", "end")], "lerp_": [("self", "end")],
+    "addcmul": [("self", "tensor1"), ("self", "tensor2")], "addcmul_": [("self", "tensor1"), ("self", "tensor2")],
+    "addcdiv": [("self", "tensor1")], "addcdiv_": [("self", "tensor1")],
+    "masked_fill": _SELF, "masked_fill_": _SELF,
 }
+
 
 def _linear_dtype(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
@@ -38,9 +42,10 @@ def _out_shape(ts) -> tuple:
     return tuple(torch.broadcast_shapes(*[t.shape for t in ts]))
 
 
-def pointwise_candidates(ts, out_ndim: int, out_shape: tuple, partial_groups=()) -> list:
+def pointwise_candidates(ts, out_ndim: int, out_shape: tuple, partial_groups=(), follow_output=()) -> list:
     """``S(d)`` of the output from the matching dim of every input (B where it broadcasts), and
-    ``P`` for each group of inputs the op is linear in (the others broadcast)."""
+    ``P`` for each group of inputs (positions in ``ts``) the op is linear in, the others
+    broadcast -- except those in ``follow_output`` (an ``out=`` tensor), which take the output's."""
     cands = []
     for d in range(out_ndim):
         ins = []
@@ -50,34 +55,63 @@ def pointwise_candidates(ts, out_ndim: int, out_shape: tuple, partial_groups=())
         cands.append(sig(ins, [S(d)]))
     for group in partial_groups:
         if all(i < len(ts) for i in group) and all(_linear_dtype(ts[i].dtype) for i in group):
-            cands.append(sig([P if i in group else B for i in range(len(ts))], [P]))
+            cands.append(sig([P if i in group or i in follow_output else B for i in range(len(ts))], [P]))
     return cands
 
 
-def _partial_groups(name: str, ts, args, kwargs) -> list:
-    groups = _LINEAR.get(name, ())
-    if not groups:
-        return []
-    if name in ("div", "div_") and kwargs.get("rounding_mode") is not None:
+def _arguments(op, args, kwargs) -> dict:
+    """``{name: value}`` of the arguments given."""
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+    return out
+
+
+def _partial_groups(name: str, op, ts, named: dict) -> list:
+    """The groups of ``_LINEAR[name]`` as positions among the tensors, where they are linear here."""
+    if name in ("div", "div_") and named.get("rounding_mode") is not None:
         return []                                   # floor / trunc division is not linear
-    if name == "_to_copy" and not _linear_dtype(kwargs.get("dtype") or ts[0].dtype):
+    if name == "_to_copy" and not _linear_dtype(named.get("dtype") or ts[0].dtype):
         return []                                   # a cast to an integer or bool type rounds
     if name in ("masked_fill", "masked_fill_"):
-        value = args[2] if len(args) > 2 else kwargs.get("value")
+        value = named.get("value")
         if isinstance(value, torch.Tensor) or value != 0:
             return []                               # only a zero fill is linear
-    if name in ("copy", "copy_") and not all(_linear_dtype(t.dtype) for t in ts[:2]):
+    if name in ("copy", "copy_") and not all(_linear_dtype(named[k].dtype) for k in ("self", "src")
+                                               if isinstance(named.get(k), torch.Tensor)):
         return []
-    return list(groups)
+    if any(_linear_dtype(t.dtype) is False for t in _written_outs(op, named)):
+        return []                                   # an out= tensor of an integer type rounds
+    position = {id(t): i for i, t in enumerate(ts)}
+    groups = []
+    for group in _LINEAR.get(name, ()):
+        if all(isinstance(named.get(a), torch.Tensor) for a in group):
+            groups.append(tuple(position[id(named[a])] for a in group))
+    return groups
 
 
-def _pointwise(func_name: str):
+def _written_outs(op, named: dict) -> list:
+    """The ``out=`` tensors (keyword-only written arguments)."""
+    return [named[a.name] for a in op._schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+            and isinstance(named.get(a.name), torch.Tensor)]
+
+
+def _pointwise(func_name: str, op=None):
     def rule(*args, **kwargs):
         ts = tensors_of(*args, **kwargs)
         if not ts:
             return []
         shape = _out_shape(ts)
-        return pointwise_candidates(ts, len(shape), shape, _partial_groups(func_name, ts, args, kwargs))
+        if op is None or func_name not in _LINEAR:
+            return pointwise_candidates(ts, len(shape), shape)
+        named = _arguments(op, args, kwargs)
+        outs = {id(t) for t in _written_outs(op, named)}
+        follow = tuple(i for i, t in enumerate(ts) if id(t) in outs)
+        return pointwise_candidates(ts, len(shape), shape, _partial_groups(func_name, op, ts, named), follow)
     return rule
 
 
@@ -88,7 +122,9 @@ def _register_all():
     for name in names:
         packet = getattr(aten, name, None)
         if packet is not None:
-            register_rule(packet, _pointwise(name))
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                register_rule(op, _pointwise(name, op))
 
 
 _register_all()

@@ -151,7 +151,7 @@ def _register(ops, spec: Reduction) -> None:
 
 
 _ALL = Reduction(dim_arg=None)
-_DIMS = Reduction(split_sums=True)
+_DIMS = Reduction()
 _PRIMS = Reduction(dim_arg="dims")
 
 _register([aten.sum.default], Reduction(dim_arg=None, split_sums=True, linear=True))

@@ -11,11 +11,14 @@ global tensor is always contiguous, its pieces need not be).
 split, say): each rank slices its own piece with the start and end moved into its
 coordinates, and the per-rank check keeps the candidate only where every rank's part is its
 balanced piece of the result. ``squeeze`` removes only dims of global size 1 from a piece,
-never a split dim whose piece happens to have size 1.
+never a split dim whose piece happens to have size 1. ``flip`` (not a view, but a shape op)
+keeps the splits of the dims it does not flip.
 
 Every view is linear, so ``P -> P`` everywhere.
 """
 from __future__ import annotations
+
+import torch
 
 from ..registry import aten, register_rule
 from .common import B, P, S, each_dim_kept, norm_dim, sig
@@ -61,8 +64,8 @@ def _view_candidates(x, size, *rest, **kwargs):
     if x.numel() == 0:
         return cands
     for gi, gj in _dim_groups(tuple(x.shape), out_shape):
-        lead_in = next((d for d in gi if x.shape[d] != 1), None)
-        lead_out = next((d for d in gj if out_shape[d] != 1), None)
+        lead_in = next((d for d in gi if x.shape[d] != 1), gi[0] if gi else None)
+        lead_out = next((d for d in gj if out_shape[d] != 1), gj[0] if gj else None)
         if lead_in is not None and lead_out is not None:
             cands.append(sig([S(lead_in)], [S(lead_out)]))
     return cands
@@ -222,6 +225,13 @@ def _unbind(x, dim=0):
     dim = norm_dim(dim, x.dim())
     n = x.shape[dim]
     return [sig([S(d)], [S(d - (d > dim))] * n) for d in range(x.dim()) if d != dim] + [sig([P], [P] * n)]
+
+
+@register_rule([aten.flip.default, torch.ops.prims.rev.default])
+def _flip(x, dims):
+    """A split of a dim not flipped stays (a flipped split dim would need the pieces exchanged)."""
+    flipped = {norm_dim(d, x.dim()) for d in dims}
+    return each_dim_kept(x, linear=True, skip=flipped)
 
 
 # -- joining -----------------------------------------------------------------------------------

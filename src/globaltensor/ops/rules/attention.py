@@ -1,0 +1,152 @@
+"""Scaled dot-product attention: what ``F.scaled_dot_product_attention`` reaches on CPU.
+
+``_scaled_dot_product_flash_attention_for_cpu(q [B, H, L, E], k [B, Hk, S, E], v [B, Hk, S, Ev],
+dropout_p, is_causal, *, attn_mask?, scale?) -> (out [B, H, L, Ev], logsumexp [B, H, L])`` and its
+backward ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask?, scale?) ->
+(grad_q, grad_k, grad_v)``. (With ``dropout_p > 0`` sdpa takes the math path instead: bmm and
+softmax, which have rules of their own.) A boolean mask reaches the op already turned into an
+additive float mask; it broadcasts against ``[B, H, L, S]``.
+
+Every (batch, head) pair attends by itself, and every query row by itself given all of k and v:
+
+- batch split: ``S(0)`` on q, k, v (the mask ``S`` on its batch dim, or ``B`` where it has
+  none) -> ``S(0), S(0)``; backward all ``S(0)``.
+- head split: ``S(1)`` on q, k, v -> ``S(1), S(1)``; backward all ``S(1)``. Only without grouped
+  query attention (``H == Hk``): with GQA, query head ``h`` reads kv head ``h // (H / Hk)``, and
+  balanced splits of H and Hk line up only for some numbers of ranks (a rule cannot see that
+  number); GQA keeps the batch and query splits.
+- query split: q ``S(2)``, k and v ``B`` (the mask ``S`` on its query dim) -> ``S(2), S(2)``;
+  backward: grad_out, q, out, logsumexp ``S(2)``, k, v ``B`` -> ``S(2), P, P`` (each rank's rows
+  add their part to the k and v gradients). ``is_causal`` means query ``i`` sees keys ``<= i``
+  (top-left aligned); a rank holding rows ``[r0, r0 + n)`` gets that as an explicit additive
+  mask of its rows (``local``), since its own ``is_causal`` would start at row 0.
+- backward with a partial ``grad_out`` (the rest ``B``): the gradients are linear in it ->
+  ``P, P, P``.
+
+A rank whose pieces have no heads or no query rows does not call the op -- the CPU kernel dies
+with SIGFPE on such shapes -- and makes its (empty, or for grad_k / grad_v zero) pieces itself.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..registry import aten, register_rule
+from .common import B, P, S, sig
+
+_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _bound(func, args, kwargs) -> dict:
+    out = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            out[a.name] = None
+    return out
+
+
+def _call_args(func, named: dict) -> tuple:
+    args, kwargs = [], {}
+    for a in func._schema.arguments:
+        if a.kwarg_only:
+            kwargs[a.name] = named[a.name]
+        else:
+            args.append(named[a.name])
+    return tuple(args), kwargs
+
+
+def _mask(mask, d) -> list:
+    """The mask's SBP when dim ``d`` of ``[B, H, L, S]`` is split (none without a mask)."""
+    if mask is None:
+        return []
+    k = d - (4 - mask.dim())
+    return [S(k) if k >= 0 and mask.shape[k] != 1 else B]
+
+
+def _shapes_ok(q, k, v) -> bool:
+    return q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+
+
+def _forward_candidates(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    if dropout_p != 0 or not _shapes_ok(query, key, value):
+        return []
+    cands = [sig([S(0)] * 3 + _mask(attn_mask, 0), [S(0), S(0)])]
+    if query.shape[1] == key.shape[1]:
+        cands.append(sig([S(1)] * 3 + _mask(attn_mask, 1), [S(1), S(1)]))
+    if not (is_causal and attn_mask is not None):
+        cands.append(sig([S(2), B, B] + _mask(attn_mask, 2), [S(2), S(2)]))
+    return cands
+
+
+def _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *,
+                         attn_mask=None, scale=None):
+    if dropout_p != 0 or not _shapes_ok(query, key, value):
+        return []
+    cands = [sig([S(0)] * 6 + _mask(attn_mask, 0), [S(0)] * 3)]
+    if query.shape[1] == key.shape[1]:
+        cands.append(sig([S(1)] * 6 + _mask(attn_mask, 1), [S(1)] * 3))
+    if not (is_causal and attn_mask is not None):
+        cands.append(sig([S(2), S(2), B, B, S(2), S(2)] + _mask(attn_mask, 2), [S(2), P, P]))
+    cands.append(sig([P] + [B] * 5 + ([B] if attn_mask is not None else []), [P, P, P]))
+    return cands
+
+
+def _causal_rows(query_layout, rank, query, key):
+    """``is_causal`` for the rank's query rows ``[r0, r0 + n)`` as an additive mask, or None
+    when the rank holds every row."""
+    r0, n = query_layout.box(rank)[2]
+    if (r0, n) == (0, query_layout.shape[2]):
+        return None
+    rows = torch.arange(r0, r0 + n, device=query.device).unsqueeze(1)
+    cols = torch.arange(key.shape[2], device=query.device).unsqueeze(0)
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(cols <= rows, zero, torch.full((), -math.inf, dtype=query.dtype, device=query.device))
+
+
+def _local(func, q_index):
+    def local(rank, ins, outs, *args, **kwargs):
+        n = _bound(func, args, kwargs)
+        if not n["is_causal"]:
+            return args, kwargs
+        mask = _causal_rows(ins[q_index], rank, n["query"], n["key"])
+        if mask is None:
+            return args, kwargs
+        n["is_causal"], n["attn_mask"] = False, mask
+        return _call_args(func, n)
+    return local
+
+
+def _forward_kernel(func, args, kwargs, ins, outs, calls):
+    results = {}
+    for r, (a, kw) in calls.items():
+        q = _bound(func, a, kw)["query"]
+        if q.shape[1] == 0 or q.shape[2] == 0 or q.shape[0] == 0:
+            results[r] = tuple(torch.empty(o.piece_shape(r), dtype=o.dtype, device=q.device) for o in outs)
+        else:
+            results[r] = func(*a, **kw)
+    return results
+
+
+def _backward_kernel(func, args, kwargs, ins, outs, calls):
+    results = {}
+    for r, (a, kw) in calls.items():
+        n = _bound(func, a, kw)
+        q, k, v = n["query"], n["key"], n["value"]
+        if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
+            # no rows here: grad_q is empty, grad_k / grad_v (whole or empty pieces) are zero
+            results[r] = (q.new_empty(q.shape), torch.zeros_like(k), torch.zeros_like(v))
+        else:
+            results[r] = func(*a, **kw)
+    return results
+
+
+register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel)
+register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel)

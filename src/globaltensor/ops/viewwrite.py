@@ -1,0 +1,146 @@
+"""Writes into views whose pieces are not views of their base's pieces.
+
+A view op (its result aliases an input: slice, select, view, transpose, ...) runs on the
+pieces of its input, so the result's pieces are views of the input's -- unless the input was
+boxed first (a slice along a split dim, say) or the op ran through the fallback: then they are
+views of a boxed copy, and a write into the result (``x[2:5] = 0``: a slice, then ``copy_``)
+would be lost. Such a result remembers its base and how it was made; after an in-place or
+out= op writes it, the written value is put back into the base: the base is gathered, the
+view op runs on each replica and the value is copied into that view, and the result is boxed
+back into the base's layout and copied into its pieces -- then on up a chain of views.
+
+Not covered: a write into the *base* after such a view was taken does not reach the view
+(it holds a copy).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+from torch.utils._pytree import tree_map
+
+from ..comm import get_world
+from ..sbp import broadcast
+from ..tensor import GlobalTensor, box
+from .args import get
+
+
+@lru_cache(maxsize=None)
+def aliased_argument(func) -> Optional[int]:
+    """The schema position of the argument a view op's result aliases (None: not a view op)."""
+    schema = func._schema
+    for ret in schema.returns:
+        info = ret.alias_info
+        if info is None or info.is_write:
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and not a.alias_info.is_write and a.alias_info.before_set & info.before_set:
+                return i
+    return None
+
+
+def _argument(func, args, kwargs, i):
+    return args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+
+
+def remember(out, base, func, args, kwargs) -> None:
+    """Mark ``out`` (a tensor or a list of them) as a copy-view of ``base`` made by ``func``."""
+    if isinstance(out, GlobalTensor):
+        out._view_of = (base, func, args, kwargs, None)
+    elif isinstance(out, (list, tuple)):
+        for j, o in enumerate(out):
+            if isinstance(o, GlobalTensor):
+                o._view_of = (base, func, args, kwargs, j)
+
+
+def propagate(view: GlobalTensor) -> None:
+    """Put ``view``'s value back into the base it was made from (and that one's base, ...)."""
+    while True:
+        info = getattr(view, "_view_of", None)
+        if info is None:
+            return
+        base, func, args, kwargs, j = info
+        b = (broadcast,) * base.placement.ndim
+        whole = box(base, base._layout.with_sbp(b))
+        value = box(view, view._layout.with_sbp(b))
+        world = get_world()
+        pieces = {}
+        for r in base.placement.rank_list():
+            if not world.holds(r):
+                continue
+            piece = whole._pieces[r]
+            if piece is base._pieces.get(r):
+                piece = piece.clone()
+            a, kw = tree_map(lambda v: piece if v is base else v, (args, kwargs))
+            target = func(*a, **kw)
+            (target if j is None else target[j]).copy_(value._pieces[r])
+            pieces[r] = piece
+        back = box(GlobalTensor(whole._layout, pieces), base._layout)
+        for r, piece in base._pieces.items():
+            piece.copy_(back._pieces[r])
+        view = base
+
+
+class _ViewRun:
+    """Runs a view op; marks the result when its pieces are not views of the base's pieces."""
+
+    def __init__(self, run, func, pos, target):
+        self.run, self.func, self.pos, self.target = run, func, pos, target
+
+    def __call__(self, args, kwargs):
+        out = self.run(args, kwargs)
+        base = get(args, kwargs, self.pos)
+        if type(base) is GlobalTensor and (base._layout != self.target or
+                                           getattr(base, "_view_of", None) is not None):
+            remember(out, base, self.func, args, kwargs)
+        return out
+
+
+class _WriteRun:
+    """Runs an in-place / out= op, then puts what it wrote into copy-views back into their bases."""
+
+    def __init__(self, run, positions):
+        self.run, self.positions = run, positions
+
+    def __call__(self, args, kwargs):
+        out = self.run(args, kwargs)
+        done = set()
+        for pos in self.positions:
+            t = get(args, kwargs, pos)
+            if getattr(t, "_view_of", None) is not None and id(t) not in done:
+                done.add(id(t))
+                propagate(t)
+        return out
+
+
+def wrap(func, run, positions, targets, written):
+    """``run`` for the decided op, extended where it is a view op or writes into its inputs.
+
+    ``written``: positions among the tensor inputs of the tensors the op writes."""
+    if written:
+        return _WriteRun(run, [positions[k] for k in written])
+    i = aliased_argument(func)
+    if i is None or not targets:
+        return run
+    return _ViewRun(run, func, *_base_position(func, i, positions, targets))
+
+
+def _base_position(func, i, positions, targets):
+    """The tensor position and target layout of schema argument ``i``."""
+    name = func._schema.arguments[i].name
+    for pos, target in zip(positions, targets):
+        where, key, item = pos
+        if item is None and ((where == 0 and key == i) or (where == 1 and key == name)):
+            return pos, target
+    return positions[0], targets[0]
+
+
+def fallback_view(func, args, kwargs, out) -> None:
+    """The fallback ran a view op on gathered copies: mark its result as a copy-view."""
+    i = aliased_argument(func)
+    if i is None:
+        return
+    base = _argument(func, args, kwargs, i)
+    if isinstance(base, GlobalTensor) and (not all(v.is_broadcast for v in base.sbp) or
+                                           getattr(base, "_view_of", None) is not None):
+        remember(out, base, func, args, kwargs)

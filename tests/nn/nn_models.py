@@ -1,0 +1,42 @@
+"""Small models for the gt.nn tests: linears that a Megatron plan can split, a layer norm, a buffer."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import globaltensor.nn as gnn
+
+
+class Block(nn.Module):
+    """A column-parallel linear, GELU, a row-parallel linear, a layer norm and a buffer."""
+
+    def __init__(self, d=6, hidden=10):
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+        self.norm = nn.LayerNorm(d)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x)))) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self, d=6, hidden=10, layers=2):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d, hidden) for _ in range(layers)])
+        self.head = nn.Linear(d, 3, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def net(seed=0, **kw) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+MEGATRON_1D = gnn.megatron_plan(column=["*.up"], row=["*.down"])
+MEGATRON_2D = gnn.megatron_plan(column=["*.up"], row=["*.down"], axis=1, ndim=2)

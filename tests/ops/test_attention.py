@@ -1,0 +1,94 @@
+"""Scaled dot-product attention (the CPU flash kernels): every candidate, F.sdpa on random
+layouts with gradients, and the head split running with no communication."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from harness import candidate_signatures, check_candidates, check_layouts
+
+aten = torch.ops.aten
+FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
+BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+
+
+def _qkv(b, h, l, s, e, hk=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hk = hk or h
+    return (torch.randn(b, h, l, e, generator=g), torch.randn(b, hk, s, e, generator=g),
+            torch.randn(b, hk, s, e, generator=g))
+
+
+# [B, H, L, S, E]: even; uneven with fewer heads (3) than ranks, so one rank holds no head
+# and some no query row (the CPU kernel would die on such pieces)
+SHAPES = [(4, 4, 8, 8, 4), (3, 3, 5, 7, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_candidates(shape, causal):
+    q, k, v = _qkv(*shape, seed=1)
+    assert check_candidates(FWD, q, k, v, 0.0, causal, max_2d=8) >= 3
+    out, lse = FWD(q, k, v, 0.0, causal)
+    go = torch.randn_like(out)
+    assert check_candidates(BWD, go, q, k, v, out, lse, 0.0, causal, max_2d=8) >= 4
+
+
+def test_sdpa_masks_and_scale():
+    q, k, v = _qkv(3, 2, 5, 6, 4, seed=2)
+    for mask in (torch.randn(5, 6), torch.randn(3, 1, 5, 6), torch.randn(1, 2, 5, 1)):
+        check_candidates(FWD, q, k, v, 0.0, False, attn_mask=mask, scale=0.3, max_2d=6)
+        out, lse = FWD(q, k, v, 0.0, False, attn_mask=mask, scale=0.3)
+        check_candidates(BWD, torch.randn_like(out), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.3,
+                         max_2d=6)
+
+
+def test_sdpa_grouped_query_attention():
+    """GQA (8 query heads, 2 kv heads): batch and query splits, no head split."""
+    q, k, v = _qkv(3, 8, 5, 6, 4, hk=2, seed=3)
+    sigs = candidate_signatures(FWD, q, k, v, 0.0, True)
+    assert not any(c.inputs[0] == S(1) for c in sigs)
+    check_candidates(FWD, q, k, v, 0.0, True, max_2d=6)
+    out, lse = FWD(q, k, v, 0.0, True)
+    check_candidates(BWD, torch.randn_like(out), q, k, v, out, lse, 0.0, True, max_2d=6)
+    check_layouts(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                  q, k, v, grad=True, trials=2, placements=("1d",))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_random_layouts(causal):
+    q, k, v = _qkv(2, 5, 6, 6, 4, seed=4)
+    check_layouts(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), q, k, v,
+                  grad=True, trials=3)
+
+
+@pytest.mark.parametrize("place,sbp", [([0, 1, 2, 3], (S(1),)), ([[0, 1], [2, 3]], (S(0), S(1))),
+                                       ([0, 1, 2, 3], (S(2),))])
+def test_sdpa_split_layouts_exact(place, sbp):
+    """Heads split (or batch x heads on 2x2, or query rows with whole k, v): causal attention
+    forward and backward match one device and the outputs and gradients keep the split;
+    the head / batch splits move no bytes at all."""
+    q, k, v = _qkv(3, 6, 7, 7, 4, seed=5)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    query_split = sbp == (S(2),)
+    with gt.simulate(4):
+        p = gt.placement("cpu", place)
+        kv_sbp = (B,) if query_split else sbp
+        gq = gt.distribute(q, p, sbp).detach().requires_grad_(True)
+        gk = gt.distribute(k, p, kv_sbp).detach().requires_grad_(True)
+        gv = gt.distribute(v, p, kv_sbp).detach().requires_grad_(True)
+        g = gt.distribute(grad, p, sbp)
+        with gt.comm_stats() as st:
+            got = F.scaled_dot_product_attention(gq, gk, gv, is_causal=True)
+            assert got.sbp == sbp
+            got.backward(g)
+        if not query_split:
+            assert st.bytes_sent == 0
+        torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=1e-4, atol=1e-5)
+        for t, leaf in zip((gq, gk, gv), leaves):
+            assert t.grad.sbp == t.sbp
+            torch.testing.assert_close(t.grad.full_tensor(), leaf.grad, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,213 @@
+"""The dispatcher (ops/dispatch.py): placement checks, plain tensors and scalars mixing in, the
+decision cache, least-boxing signature choice on 1-D and 2-D placements, written tensors
+keeping their layout, and placements that cover only some of the world's ranks."""
+import random
+import re
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.boxing import plan_boxing
+from globaltensor.ops import dispatch
+from globaltensor.ops.registry import RULES
+from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
+from harness import PLACEMENTS, candidate_signatures, make_global
+
+aten = torch.ops.aten
+torch.manual_seed(0)
+
+XM = torch.randn(8, 6)
+WM = torch.randn(6, 4)
+
+
+def lay(t, sbp, placement="1d", seed=0):
+    p = PLACEMENTS[placement]() if isinstance(placement, str) else placement
+    return make_global(t, p, sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
+
+
+# -- placements ------------------------------------------------------------------------------
+
+def test_inputs_on_different_placements_raise_naming_both():
+    with gt.simulate(4):
+        p4, p2 = gt.placement("cpu", [0, 1, 2, 3]), gt.placement("cpu", [0, 1])
+        x, y = lay(XM, S(0), p4), lay(XM, S(0), p2)
+        with pytest.raises(ValueError) as err:
+            x + y
+        msg = str(err.value)
+        assert re.search(r"ranks=\[0, 1, 2, 3\]", msg) and re.search(r"ranks=\[0, 1\]\)", msg), msg
+        with pytest.raises(ValueError, match="placement"):
+            torch.cat([x, y])                          # tensors inside a list are checked too
+        with pytest.raises(ValueError, match="placement"):
+            x @ lay(WM, B, gt.placement("cpu", [[0, 1], [2, 3]]))   # same ranks, another hierarchy
+
+
+def test_ranks_outside_the_placement_hold_nothing_and_run_nothing():
+    """A tensor on ranks [0, 1] of a 4-rank world: ops run on ranks 0 and 1 only."""
+    op = aten.hypot.default
+    saved = RULES.get(op)
+    ran = []
+
+    def record(rank, ins, outs, *args, **kwargs):
+        ran.append(rank)
+        return args, kwargs
+
+    try:
+        gt.register_rule(op, lambda a, b: ["S(0), S(0) -> S(0)"], local=record)
+        with gt.simulate(4):
+            p01 = gt.placement("cpu", [0, 1])
+            a, b = torch.randn(5, 3), torch.randn(5, 3)
+            x, y = lay(a, S(0), p01), lay(b, S(0), p01)
+            assert set(x.local_tensors()) == {0, 1}
+            z = torch.hypot(x, y)
+            assert sorted(ran) == [0, 1]
+            assert set(z.local_tensors()) == {0, 1} and z.placement == p01
+            torch.testing.assert_close(z.full_tensor(), torch.hypot(a, b))
+            assert z.to_local(rank=2).numel() == 0 and z.to_local(rank=3).numel() == 0
+            w = (x * 2).sum(0) + y[0]           # other ops, other rules: still only ranks 0 and 1
+            assert set(w.local_tensors()) == {0, 1}
+            torch.testing.assert_close(w.full_tensor(), (a * 2).sum(0) + b[0])
+            # a disjoint placement in the same world runs on its own ranks
+            p23 = gt.placement("cpu", [2, 3])
+            v = lay(a, S(1), p23).exp()
+            assert set(v.local_tensors()) == {2, 3}
+            torch.testing.assert_close(v.full_tensor(), a.exp())
+    finally:
+        if saved is None:
+            RULES.pop(op, None)
+        else:
+            RULES[op] = saved
+
+
+# -- plain tensors and scalars -----------------------------------------------------------------
+
+def test_plain_tensors_and_scalars_are_broadcast():
+    with gt.simulate(4):
+        x = lay(XM, S(0))
+        with gt.comm_stats() as stats:
+            y = (x * torch.arange(6.0) + 1.5) / 2 - torch.tensor(3.0)
+        assert y.sbp == (S(0),) and stats.bytes_sent == 0
+        torch.testing.assert_close(y.full_tensor(), (XM * torch.arange(6.0) + 1.5) / 2 - 3)
+        # a plain operand is sliced (no communication) to meet a split
+        with gt.comm_stats() as stats:
+            z = lay(XM, S(1)) @ WM
+        assert z.sbp == (P,) and stats.bytes_sent == 0
+        torch.testing.assert_close(z.full_tensor(), XM @ WM)
+        # the plain tensor first, a Python scalar in a list argument
+        c = torch.cat([XM[:2], x], 0)
+        torch.testing.assert_close(c.full_tensor(), torch.cat([XM[:2], XM]))
+        assert torch.equal(torch.clamp(x, max=0.5).full_tensor(), XM.clamp(max=0.5))
+
+
+# -- the decision cache ------------------------------------------------------------------------
+
+def test_repeated_op_reuses_its_decision(monkeypatch):
+    calls = []
+    decide = dispatch._decide
+
+    def counting(func, args, kwargs):
+        calls.append(func)
+        return decide(func, args, kwargs)
+
+    monkeypatch.setattr(dispatch, "_decide", counting)
+    with gt.simulate(4):
+        x, w = lay(torch.randn(12, 5), S(0)), lay(torch.randn(5, 7), B)
+        y1 = torch.mm(x, w)
+        n = len(dispatch._CACHE)
+        decided = list(calls)
+        for _ in range(3):
+            y = torch.mm(x, w)
+        assert calls == decided and len(dispatch._CACHE) == n          # hits, no new decisions
+        torch.testing.assert_close(y.full_tensor(), y1.full_tensor())
+        x2 = lay(torch.randn(12, 5), S(0), seed=1)                     # other values, same layout: a hit
+        torch.mm(x2, w)
+        assert calls == decided
+        torch.mm(lay(torch.randn(12, 5), S(1)), w)                      # another layout: a new decision
+        assert calls == decided + [aten.mm.default] and len(dispatch._CACHE) == n + 1
+        x.add(1.0)
+        x.add(2.0)                                                       # a scalar is part of the key
+        assert calls.count(aten.add.Tensor) == 2
+
+
+# -- least boxing ------------------------------------------------------------------------------
+
+def _least_bytes(op, args, layouts):
+    """The least boxing bytes over the rule's candidates (and B, ..., B) for inputs in ``layouts``."""
+    best = None
+    for c in candidate_signatures(op, *args) + [None]:
+        targets = c.inputs if c is not None else (B,) * len(layouts)
+        total = sum(plan_boxing(lay_.layout_meta, lay_.layout_meta.with_sbp((t,))).bytes
+                    for lay_, t in zip(layouts, targets))
+        best = total if best is None else min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("xs,ws,out,moved", [
+    (S(0), B, S(0), 0), (B, S(1), S(1), 0), (S(1), S(0), P, 0), (P, B, P, 0), (B, P, P, 0),
+    (S(0), S(0), None, None), (S(1), B, None, None), (B, B, B, 0), (P, P, None, None),
+])
+def test_mm_chooses_the_least_boxing(xs, ws, out, moved):
+    with gt.simulate(4):
+        x, w = lay(XM, xs, seed=1), lay(WM, ws, seed=2)
+        with gt.comm_stats() as stats:
+            y = x @ w
+        least = _least_bytes(aten.mm.default, (XM, WM), [x, w])
+        assert stats.bytes_sent == least
+        if moved is not None:
+            assert stats.bytes_sent == moved and y.sbp == (out,)
+        torch.testing.assert_close(y.full_tensor(), XM @ WM)
+
+
+@pytest.mark.parametrize("xs,ws,out", [
+    ((S(0), S(1)), (B, S(0)), (S(0), P)),          # data parallel x row-split contraction
+    ((S(0), B), (B, S(1)), (S(0), S(1))),
+    ((B, S(1)), (B, S(0)), (B, P)),                 # tensor parallel on the second axis only
+    ((S(1), S(0)), (S(0), B), (P, S(0))),
+])
+def test_2d_placement_uses_product_signatures(xs, ws, out):
+    with gt.simulate(4):
+        x, w = lay(XM, xs, "2x2"), lay(WM, ws, "2x2")
+        with gt.comm_stats() as stats:
+            y = x @ w
+        assert y.sbp == out and stats.bytes_sent == 0
+        torch.testing.assert_close(y.full_tensor(), XM @ WM)
+
+
+def test_ties_prefer_no_boxing_then_split_outputs():
+    with gt.simulate(4):
+        x = lay(XM, B)
+        y = x.exp()                 # B -> B costs nothing; slicing to a split is a step more
+        assert y.sbp == (B,)
+        x = lay(XM, S(1))
+        y = x.exp()
+        assert y.sbp == (S(1),)
+
+
+# -- written tensors ---------------------------------------------------------------------------
+
+def test_written_tensor_keeps_layout_as_input_and_output():
+    """An in-place or out= op may only use candidates whose *output* is the written tensor's layout:
+    ``x(B).mul_(y(S(1)))`` must not take ``B, P -> P`` (y boxed to zero-padded partial pieces)."""
+    with gt.simulate(4):
+        x = lay(XM, B).clone()
+        x.mul_(lay(XM, S(1)))
+        assert x.sbp == (B,)
+        torch.testing.assert_close(x.full_tensor(), XM * XM)
+        for r, piece in x.local_tensors().items():     # every replica holds the value
+            torch.testing.assert_close(piece, XM * XM)
+        c = lay(torch.zeros(8, 6), P).clone()
+        torch.mul(lay(XM, S(0)), 3.0, out=c)          # not "B, P -> P" with the out tensor as the P
+        assert c.sbp == (P,)
+        torch.testing.assert_close(c.full_tensor(), XM * 3)
+        c = lay(torch.zeros(8, 6), B).clone()
+        torch.add(lay(XM, P, seed=3), lay(XM, P, seed=4), out=c)
+        for r, piece in c.local_tensors().items():
+            torch.testing.assert_close(piece, 2 * XM)
+
+
+def test_writing_into_a_plain_tensor_is_an_error():
+    with gt.simulate(4):
+        x = lay(XM, S(0))
+        plain = torch.zeros(8, 6)
+        with pytest.raises(TypeError, match="plain"):
+            plain.add_(x)

@@ -1,0 +1,242 @@
+"""nll_loss / nll_loss2d rules (what cross_entropy reaches), cross_entropy on random layouts,
+and loss parallelism: class-split logits whose [N, C] values never move."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.ops import dispatch
+from globaltensor.ops.registry import RULES, Rule
+from globaltensor.ops.rules import loss
+from harness import candidate_signatures, check_candidates, check_layouts
+
+aten = torch.ops.aten
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+NONE, MEAN, SUM = 0, 1, 2
+
+
+def _targets(n, c, *rest, ignore=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, c, (n, *rest), generator=g)
+    t.view(-1)[1] = ignore   # one ignored target
+    return t
+
+
+# (N, C): even, uneven, fewer classes and rows than the 4 ranks (empty pieces)
+SHAPES = [(8, 6), (7, 5), (3, 2)]
+
+
+@pytest.mark.parametrize("n,c", SHAPES)
+@pytest.mark.parametrize("reduction", [NONE, MEAN, SUM])
+def test_nll_loss_candidates(n, c, reduction):
+    torch.manual_seed(n * 10 + reduction)
+    x = torch.randn(n, c).log_softmax(1)
+    t = _targets(n, c)
+    w = torch.rand(c) + 0.5
+    for weight in (None, w):
+        assert check_candidates(aten.nll_loss_forward.default, x, t, weight, reduction, -100, max_2d=8) >= 3
+        out, total = aten.nll_loss_forward.default(x, t, weight, reduction, -100)
+        g = torch.randn(n) if reduction == NONE else torch.randn(())
+        assert check_candidates(aten.nll_loss_backward.default, g, x, t, weight, reduction, -100, total,
+                                max_2d=8) >= 3
+
+
+@pytest.mark.parametrize("reduction", [NONE, MEAN, SUM])
+def test_nll_loss_ignore_index_is_a_class(reduction):
+    """ignore_index may name a real class: those targets are ignored on every rank, and no
+    rank's shifted classes collide with the ignore_index of its local call."""
+    torch.manual_seed(1)
+    x = torch.randn(9, 7)
+    t = torch.tensor([0, 2, 6, 2, 3, 5, 1, 2, 4])
+    check_candidates(aten.nll_loss_forward.default, x, t, torch.rand(7), reduction, 2, max_2d=8)
+    out, total = aten.nll_loss_forward.default(x, t, None, reduction, 2)
+    g = torch.randn(9) if reduction == NONE else torch.randn(())
+    check_candidates(aten.nll_loss_backward.default, g, x, t, None, reduction, 2, total, max_2d=8)
+
+
+@pytest.mark.parametrize("reduction", [NONE, MEAN, SUM])
+def test_nll_loss2d_candidates(reduction):
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 4, 2).log_softmax(1)
+    t = _targets(3, 5, 4, 2)
+    check_candidates(aten.nll_loss2d_forward.default, x, t, torch.rand(5), reduction, -100, max_2d=8)
+    out, total = aten.nll_loss2d_forward.default(x, t, None, reduction, -100)
+    g = torch.randn(3, 4, 2) if reduction == NONE else torch.randn(())
+    check_candidates(aten.nll_loss2d_backward.default, g, x, t, None, reduction, -100, total, max_2d=8)
+
+
+def test_nll_candidate_sets():
+    """The batch split of a mean takes the whole target (the global total weight); sum and none
+    keep it split; the class split always takes it whole."""
+    x, t = torch.randn(8, 6), torch.randint(0, 6, (8,))
+    cands = {red: {(c.inputs, c.outputs) for c in candidate_signatures(aten.nll_loss_forward.default, x, t, None,
+                                                                       red, -100)} for red in (NONE, MEAN, SUM)}
+    assert ((S(0), S(0)), (S(0), B)) in cands[NONE]
+    assert ((S(0), S(0)), (P, P)) in cands[SUM]
+    assert ((S(0), B), (P, B)) in cands[MEAN] and not any(ins == (S(0), S(0)) for ins, _ in cands[MEAN])
+    for red, outs in ((NONE, (P, B)), (SUM, (P, P)), (MEAN, (P, B))):
+        assert ((S(1), B), outs) in cands[red]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_random_layouts(reduction):
+    torch.manual_seed(3)
+    x, t = torch.randn(7, 5), _targets(7, 5)
+    w = torch.rand(5) + 0.5
+
+    def ce(x, t):
+        return F.cross_entropy(x, t, reduction=reduction)
+
+    def ce_weighted(x, t):
+        return F.cross_entropy(x, t, weight=w, reduction=reduction, ignore_index=3)
+
+    check_layouts(ce, x, t, grad=True, trials=4)
+    check_layouts(ce_weighted, x, t.clamp(min=0), grad=True, trials=3, seed=1)
+
+
+def test_cross_entropy_spatial_and_label_smoothing():
+    torch.manual_seed(4)
+    x4, t4 = torch.randn(3, 5, 4, 2), _targets(3, 5, 4, 2)
+    check_layouts(lambda x, t: F.cross_entropy(x, t), x4, t4, grad=True, trials=3)
+    x3, t3 = torch.randn(3, 5, 6), _targets(3, 5, 6)      # [N, C, L] reaches nll_loss2d through views
+    check_layouts(lambda x, t: F.cross_entropy(x, t, reduction="sum"), x3, t3, grad=True, trials=3)
+    x, t = torch.randn(7, 5), torch.randint(0, 5, (7,))
+    check_layouts(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), x, t, grad=True, trials=3)
+
+
+def _single(x, t, **kw):
+    xr = x.clone().requires_grad_(True)
+    out = F.cross_entropy(xr, t, **kw)
+    (out.sum() if out.dim() else out).backward()
+    return out.detach(), xr.grad
+
+
+@pytest.mark.parametrize("place,sbp", [([0, 1, 2, 3], (S(1),)), ([[0, 1], [2, 3]], (S(0), S(1))),
+                                       ([[0, 1], [2, 3]], (S(1), S(1)))])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_split_nll_moves_no_logits(place, sbp, reduction):
+    """nll_loss on class-split log-probabilities: exact, gradient keeps the split, and forward +
+    backward move nothing (the whole target is given; the loss is a partial sum until read)."""
+    torch.manual_seed(5)
+    n, c = 10, 37
+    x = torch.randn(n, c).log_softmax(1)
+    t = _targets(n, c)
+    xr = x.clone().requires_grad_(True)
+    want = F.nll_loss(xr, t, reduction=reduction)
+    (want.sum() if want.dim() else want).backward()
+    with gt.simulate(4):
+        p = gt.placement("cpu", place)
+        xg = gt.distribute(x, p, sbp).detach().requires_grad_(True)
+        tg = gt.distribute(t, p, (B,) * p.ndim)
+        with gt.comm_stats() as st:
+            got = F.nll_loss(xg, tg, reduction=reduction)
+            if reduction == "none":
+                got.backward(gt.distribute(torch.ones(n), p, (B,) * p.ndim))
+            else:
+                got.backward()
+        assert st.bytes_sent == 0
+        assert xg.grad.sbp == xg.sbp
+        torch.testing.assert_close(got.full_tensor(), want.detach())
+        torch.testing.assert_close(xg.grad.full_tensor(), xr.grad)
+
+
+def test_batch_split_mean_moves_only_targets():
+    """Data parallel: the mean over a batch split needs the global count, so the targets (8 bytes
+    each) are gathered -- never the logits -- and nothing else moves until the loss is read."""
+    torch.manual_seed(6)
+    n, c = 16, 50
+    x, t = torch.randn(n, c), _targets(n, c)
+    want, want_grad = _single(x, t)
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        xg = gt.distribute(x, p, S(0)).detach().requires_grad_(True)
+        tg = gt.distribute(t, p, S(0))
+        with gt.comm_stats() as st:
+            got = F.cross_entropy(xg, tg)
+            got.backward()
+        assert st.bytes_sent == n * 8 * 3 // 4      # one all-gather of the targets
+        assert xg.grad.sbp == (S(0),)
+        torch.testing.assert_close(got.full_tensor(), want)
+        torch.testing.assert_close(xg.grad.full_tensor(), want_grad)
+
+
+# -- loss parallel: the softmax over the split class dim ----------------------------------------
+
+_SOFTMAX = [aten._log_softmax.default, aten._softmax.default]
+_SOFTMAX_BACKWARD = [aten._log_softmax_backward_data.default, aten._softmax_backward_data.default]
+
+
+@pytest.fixture
+def split_softmax():
+    """The softmax rules (nn_activation.py) with loss.py's split-dim candidates and kernels
+    added, as that module would register them; restored afterwards."""
+    saved = {op: RULES[op] for op in _SOFTMAX + _SOFTMAX_BACKWARD}
+
+    def extended(rule, extra, kernel):
+        return Rule(lambda *a, **k: list(rule.candidates(*a, **k)) + extra(*a, **k), rule.local,
+                    rule.check_shapes, kernel)
+
+    for op in _SOFTMAX:
+        RULES[op] = extended(saved[op], loss.split_softmax_candidates, loss.split_softmax_kernel)
+    for op in _SOFTMAX_BACKWARD:
+        RULES[op] = extended(saved[op], loss.split_softmax_backward_candidates, loss.split_softmax_backward_kernel)
+    dispatch._CACHE.clear()
+    try:
+        yield
+    finally:
+        RULES.update(saved)
+        dispatch._CACHE.clear()
+
+
+@pytest.mark.parametrize("op", _SOFTMAX)
+def test_split_softmax_candidates(split_softmax, op):
+    torch.manual_seed(7)
+    for shape, dim in (((6, 10), 1), ((7, 5), -1), ((3, 2, 5), 1)):
+        x = torch.randn(shape) * 4
+        check_candidates(op, x, dim, False, max_2d=8)
+        y = op(x, dim, False)
+        backward = _SOFTMAX_BACKWARD[_SOFTMAX.index(op)]
+        check_candidates(backward, torch.randn(shape), y, dim, torch.float32, max_2d=8)
+
+
+def test_split_softmax_low_precision(split_softmax):
+    """16-bit inputs are computed in float32 and rounded once, as the CPU kernels do."""
+    x = torch.randn(4, 9) * 3
+    check_candidates(aten._log_softmax.default, x.half(), 1, False, placements=("1d",), rtol=1e-3, atol=1e-3)
+    check_candidates(aten._softmax.default, x.bfloat16(), 1, False, placements=("1d",), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("place,sbp", [([0, 1, 2, 3], (S(1),)), ([[0, 1], [2, 3]], (S(0), S(1))),
+                                       ([[0, 1], [2, 3]], (S(1), S(1)))])
+@pytest.mark.parametrize("kw", [{}, {"reduction": "sum", "ignore_index": 4}, {"label_smoothing": 0.1}])
+def test_loss_parallel_cross_entropy(split_softmax, place, sbp, kw):
+    """F.cross_entropy on class-split logits: exact, grad keeps the split, and the traffic is
+    O(N * ranks) -- row maxima gathered, row sums all-reduced -- never the N x C logits."""
+    torch.manual_seed(8)
+    n, c = 12, 301
+    x = torch.randn(n, c) * 3
+    t = _targets(n, c, ignore=kw.get("ignore_index", -100))
+    want, want_grad = _single(x, t, **kw)
+    with gt.simulate(4):
+        p = gt.placement("cpu", place)
+        xg = gt.distribute(x, p, sbp).detach().requires_grad_(True)
+        tg = gt.distribute(t, p, (B,) * p.ndim)
+        with gt.comm_stats() as st:
+            got = F.cross_entropy(xg, tg, **kw)
+            got.backward()
+        torch.testing.assert_close(got.full_tensor(), want)
+        assert xg.grad.sbp == xg.sbp
+        torch.testing.assert_close(xg.grad.full_tensor(), want_grad)
+    assert 0 < st.bytes_sent <= 4 * n * 4 * 4      # a few [N, ranks] float32 exchanges
+    assert st.bytes_sent * 20 < n * c * 4           # far below the logits
+
+
+def test_split_softmax_extreme_rows(split_softmax):
+    """Rows whose maximum sits on another rank, huge logits and -inf entries stay exact."""
+    x = torch.randn(5, 12)
+    x[0, 11] = 1e4
+    x[1, :6] = -float("inf")
+    x[2] = -1e4
+    x[3, 0] = 80.0
+    check_candidates(aten._log_softmax.default, x, 1, False, placements=("1d",))
+    check_candidates(aten._softmax.default, x, 1, False, placements=("1d",))

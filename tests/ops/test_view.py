@@ -1,0 +1,302 @@
+"""View and shape rules (ops/rules/view.py): splits that survive, boxing where they cannot, and
+writes through views (``x[2:5] = 0``) on every layout."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import globaltensor as gt
+from globaltensor.sbp import balanced_sizes, broadcast as B, partial_sum as P, split as S
+from harness import PLACEMENTS, candidate_signatures, check_candidates, check_layouts, make_global
+
+aten = torch.ops.aten
+torch.manual_seed(0)
+
+X = torch.randn(7, 6)
+X3 = torch.randn(5, 4, 3)
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def lay(t, sbp, placement="1d", seed=0):
+    p = PLACEMENTS[placement]()
+    return make_global(t, p, sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
+
+
+def sigs(op, *args, **kwargs):
+    return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
+
+
+# -- view / reshape --------------------------------------------------------------------------
+
+def _lines_up(outer: int, inner: int, k: int = 4) -> bool:
+    """[outer, inner, ...] split on dim 0 over k ranks, merged to [outer*inner, ...]: the pieces match."""
+    return all(a * inner == b for a, b in zip(balanced_sizes(outer, k), balanced_sizes(outer * inner, k)))
+
+
+@FAST
+@given(b=st.integers(1, 9), t=st.integers(1, 4), d=st.integers(1, 3), merge=st.booleans())
+def test_view_keeps_split_of_leading_dim_exactly_when_pieces_line_up(b, t, d, merge):
+    full = torch.arange(b * t * d, dtype=torch.float32).reshape(b, t, d)
+    src, dst = ((b, t, d), (b * t, d)) if merge else ((b * t, d), (b, t, d))
+    with gt.simulate(4):
+        x = lay(full.reshape(src), S(0))
+        with gt.comm_stats() as stats:
+            y = x.view(dst)
+        assert torch.equal(y.full_tensor(), full.reshape(dst))
+        if _lines_up(b, t):
+            assert y.sbp == (S(0),), f"{src} -> {dst}: the split should survive"
+            assert stats.bytes_sent == 0
+        else:
+            assert y.sbp != (S(0),) or b * t == 0
+
+
+@st.composite
+def reshapes(draw):
+    """A shape and a reshape of it that merges and splits adjacent dims."""
+    dims = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    out, i = [], 0
+    while i < len(dims):
+        n = draw(st.integers(1, min(2, len(dims) - i)))
+        size = 1
+        for v in dims[i:i + n]:
+            size *= v
+        divisors = [f for f in range(1, size + 1) if size % f == 0]
+        f = draw(st.sampled_from(divisors))
+        out += [f, size // f] if draw(st.booleans()) and f not in (1, size) else [size]
+        i += n
+    return tuple(dims), tuple(out)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=reshapes(), choice=st.integers(0, 10), two_d=st.booleans(), seed=st.integers(0, 3))
+def test_reshape_any_layout(shapes, choice, two_d, seed):
+    src, dst = shapes
+    full = torch.randn(src)
+    values = [B, P] + [S(d) for d in range(len(src))]
+    sbp = (values[choice % len(values)], values[(choice * 7 + seed) % len(values)]) if two_d else \
+        (values[choice % len(values)],)
+    with gt.simulate(4):
+        x = lay(full, sbp, "2x2" if two_d else "1d", seed)
+        y = x.reshape(dst)
+        torch.testing.assert_close(y.full_tensor(), full.reshape(dst))
+        z = y.reshape(src) * 2      # and back, then a pointwise op on the result
+        torch.testing.assert_close(z.full_tensor(), full * 2)
+
+
+def test_view_candidates():
+    check_candidates(aten.view.default, torch.randn(4, 6, 5), [24, 5], placements=("1d",))
+    check_candidates(aten.view.default, torch.randn(3, 6, 5), [3, 2, 3, 5], placements=("1d",))
+    check_candidates(aten.view.default, X, [42], max_2d=6)
+    check_candidates(aten._unsafe_view.default, X, [2, 21], max_2d=6)
+    assert "S(0) -> S(0)" in sigs(aten.view.default, torch.randn(8, 6), [48])
+
+
+def test_view_of_non_contiguous_pieces():
+    """The global tensor is contiguous after a transpose; its pieces are not."""
+    def fn(x):
+        return x.t().reshape(-1), x.transpose(0, 1).reshape(3, 14), x.t().flatten(), x.t().contiguous().view(42)
+    check_layouts(fn, X, trials=4, grad=True)
+
+    def attention_heads(x):     # [b, t, h*d] -> [b, h, t, d] -> [b*h, t, d]
+        return x.view(2, 4, 3, 2).transpose(1, 2).reshape(6, 4, 2).sum(-1)
+    check_layouts(attention_heads, torch.randn(2, 4, 6), trials=4, grad=True, placements=("1d",))
+
+
+# -- permutations, squeeze, expand ------------------------------------------------------------
+
+def test_transpose_permute_t():
+    assert check_candidates(aten.transpose.int, X3, 0, -1, placements=("1d",)) == 4
+    assert check_candidates(aten.permute.default, X3, [2, 0, 1], placements=("1d",)) == 4
+    assert check_candidates(aten.t.default, X, max_2d=6) == 3 + 6
+    assert check_candidates(aten.t.default, torch.randn(5)) > 0
+    assert sigs(aten.permute.default, X3, [2, 0, 1]) == {"S(0) -> S(1)", "S(1) -> S(2)", "S(2) -> S(0)", "P -> P"}
+
+
+def test_unsqueeze_squeeze():
+    x = torch.randn(5, 1, 3)
+    assert check_candidates(aten.unsqueeze.default, x, -1, placements=("1d",)) == 4
+    assert check_candidates(aten.squeeze.dim, x, 1, placements=("1d",)) == 3
+    assert check_candidates(aten.squeeze.dims, x, [0, 1], placements=("1d",)) == 3
+    assert check_candidates(aten.squeeze.default, x, placements=("1d",)) == 3
+
+
+def test_squeeze_only_removes_global_size_one():
+    """A split dim of 4 over 4 ranks has pieces of size 1: squeezing must not remove them."""
+    t = torch.randn(4, 1, 6)
+    with gt.simulate(4):
+        for sbp in (S(0), (S(0),)):
+            x = lay(t, sbp)
+            for fn in (lambda v: v.squeeze(), lambda v: v.squeeze(0), lambda v: v.squeeze((0, 1)),
+                       lambda v: v.squeeze(1), lambda v: v.squeeze(-1)):
+                y = fn(x)
+                assert tuple(y.shape) == tuple(fn(t).shape)
+                torch.testing.assert_close(y.full_tensor(), fn(t))
+        # squeeze.dim of a kept split dim: no communication, still a split
+        with gt.comm_stats() as stats:
+            y = lay(t, S(0)).squeeze(0)
+        assert y.sbp == (S(0),) and stats.bytes_sent == 0
+
+
+def test_expand():
+    x = torch.randn(5, 1, 3)
+    assert check_candidates(aten.expand.default, x, [2, 5, 4, 3], placements=("1d",)) == 3
+    assert check_candidates(aten.expand.default, x, [-1, 4, -1], placements=("1d",)) == 3
+    check_layouts(lambda v: v[:, None, :].expand(-1, 3, -1) * 1.5, X, trials=4, grad=True)
+
+
+# -- slicing ---------------------------------------------------------------------------------
+
+def test_slice_candidates():
+    assert check_candidates(aten.slice.Tensor, X, 1, 1, 5, max_2d=6) >= 3
+    assert check_candidates(aten.slice.Tensor, X, 0, 0, None, 2, max_2d=6) >= 3   # along a split dim
+    assert check_candidates(aten.slice.Tensor, X3, -1, -2, placements=("1d",)) >= 3
+    assert check_candidates(aten.select.int, X, 1, -1, max_2d=6) >= 2
+    assert check_candidates(aten.select.int, X3, 0, 3, placements=("1d",)) >= 3
+    assert check_candidates(aten.split.Tensor, X, 4, 1, max_2d=6) >= 2
+    assert check_candidates(aten.split_with_sizes.default, X, [2, 5], 0, max_2d=6) >= 2
+    assert check_candidates(aten.unbind.int, X3, 1, placements=("1d",)) >= 3
+
+
+@pytest.mark.parametrize("n,sl,keeps", [
+    (8, slice(None, None, 2), True),      # one in two rows of each rank's even piece
+    (8, slice(1, None, 2), True),
+    (7, slice(None, None, 2), True),      # uneven pieces 2,2,2,1 -> 1,1,1,1
+    (8, slice(2, 5), False),              # parts 0,2,1,0 are not the balanced 1,1,1,0
+    (8, slice(0, 4), False),
+    (8, slice(-3, None), False),
+    (9, slice(1, 8, 3), False),
+    (8, slice(5, 2), True),               # empty
+])
+def test_slice_along_split_dim(n, sl, keeps):
+    t = torch.randn(n, 3)
+    with gt.simulate(4):
+        x = lay(t, S(0))
+        with gt.comm_stats() as stats:
+            y = x[sl]
+        torch.testing.assert_close(y.full_tensor(), t[sl])
+        if keeps:
+            assert y.sbp == (S(0),) and stats.bytes_sent == 0
+        else:
+            assert y.sbp != (S(0),)
+
+
+def test_slice_along_split_dim_2d_placement():
+    t = torch.randn(8, 6)
+    with gt.simulate(4):
+        for sbp in ((S(0), S(0)), (S(0), S(1)), (S(1), S(0)), (P, S(0))):
+            x = lay(t, sbp, "2x2")
+            for sl in (slice(None, None, 2), slice(2, 5), slice(1, 8, 3)):
+                torch.testing.assert_close(x[sl].full_tensor(), t[sl])
+                torch.testing.assert_close(x[:, sl].full_tensor(), t[:, sl])
+        x = lay(t, (S(0), S(0)), "2x2")
+        with gt.comm_stats() as stats:
+            y = x[::2]          # 8 rows over 2x2: pieces of 2 rows, one taken from each
+        assert y.sbp == (S(0), S(0)) and stats.bytes_sent == 0
+
+
+def test_basic_indexing():
+    def fn(x):
+        return x[1], x[:, 2:5], x[..., None], x[None], x[1, ::2], x[-1:, 1], x[:, -1]
+    check_layouts(fn, X, trials=5)
+    check_layouts(lambda x: x[2:, 1:4] * 3, X, trials=4, grad=True)
+
+
+def test_flip():
+    assert check_candidates(aten.flip.default, X3, [0, 2], placements=("1d",)) == 2
+    with gt.simulate(4):
+        x = lay(X, S(0))
+        with gt.comm_stats() as stats:
+            y = x.flip(1)
+        assert y.sbp == (S(0),) and stats.bytes_sent == 0
+        torch.testing.assert_close(y.full_tensor(), X.flip(1))
+        torch.testing.assert_close(x.flip(0, 1).full_tensor(), X.flip(0, 1))
+
+
+def test_narrow_chunk_split_unbind_flatten():
+    def fn(x):
+        return (x.narrow(1, 1, 4), x.chunk(3, 0), x.chunk(2, 1), x.split([2, 5]), x.unbind(1),
+                x.view(7, 2, 3).flatten(1), x.contiguous(), x.clone(), x.detach(), torch.flatten(x))
+    check_layouts(fn, X, trials=5)
+
+
+def test_unbind_along_split_dim_gathers_once():
+    t = torch.randn(4, 64)
+    with gt.simulate(4):
+        x = lay(t, S(0))
+        with gt.comm_stats() as one_gather:
+            x.to_global(sbp=B)
+        with gt.comm_stats() as stats:
+            rows = x.unbind(0)
+        assert stats.bytes_sent <= one_gather.bytes_sent
+        for i, r in enumerate(rows):
+            torch.testing.assert_close(r.full_tensor(), t[i])
+
+
+# -- joining ---------------------------------------------------------------------------------
+
+def test_cat_stack():
+    a, b = torch.randn(5, 3), torch.randn(2, 3)
+    assert check_candidates(aten.cat.default, [a, b], 0, max_2d=6) >= 2
+    assert check_candidates(aten.cat.default, [a, a * 2], 1, max_2d=6) >= 2
+    assert check_candidates(aten.stack.default, [a, a + 1, a * 2], 1, max_2d=6) >= 3
+    check_layouts(lambda x, y: (torch.cat([x, y], 0), torch.cat([x, x * 2], 1), torch.stack([x, x])), a, b,
+                  trials=5)
+    with gt.simulate(4):
+        x = lay(a, S(1))
+        with gt.comm_stats() as stats:
+            y = torch.cat([x, lay(b, S(1))], 0)
+        assert y.sbp == (S(1),) and stats.bytes_sent == 0
+
+
+# -- writes through views --------------------------------------------------------------------
+
+def _writes(x):
+    x[2:5] = 0.5                # slice along dim 0, then copy_
+    x[:, 1] = 3.0               # select along dim 1
+    x[1:3].add_(1.0)            # in-place on a slice
+    x[::2, 2:4] *= 2            # a slice of a slice
+    x[5][1:3] = -1.0            # a view of a view
+    x.view(-1)[::7] = 9.0       # through a reshape
+    x.t()[0, 4] = 8.0           # through a transpose
+    return x
+
+
+@pytest.mark.parametrize("sbp,placement", [
+    (S(0), "1d"), (S(1), "1d"), (P, "1d"), (B, "1d"), ((S(0), S(1)), "2x2"), ((P, S(0)), "2x2"),
+])
+def test_writes_through_views_reach_the_base(sbp, placement):
+    t = torch.randn(7, 6)
+    want = _writes(t.clone())
+    with gt.simulate(4):
+        x = lay(t, sbp, placement).clone()      # clone: a tensor of its own on every rank
+        before = x.sbp
+        _writes(x)
+        assert x.sbp == before
+        torch.testing.assert_close(x.full_tensor(), want)
+
+
+@pytest.mark.filterwarnings("ignore:globaltensor")
+def test_write_into_fallback_view():
+    t = torch.randn(5, 5)
+    want = t.clone()
+    want.diagonal().fill_(0.0)
+    with gt.simulate(4):
+        x = lay(t, S(0)).clone()
+        x.diagonal().fill_(0.0)          # diagonal runs through the fallback (as_strided)
+        torch.testing.assert_close(x.full_tensor(), want)
+
+
+def test_in_place_on_exact_slice_is_a_true_view():
+    """A slice whose split survives is made of views of the base's pieces: no write-back needed."""
+    t = torch.randn(8, 3)
+    with gt.simulate(4):
+        x = lay(t, S(0)).clone()
+        y = x[::2]
+        assert getattr(y, "_view_of", None) is None
+        with gt.comm_stats() as stats:
+            y.mul_(0)
+        assert stats.bytes_sent == 0
+        want = t.clone()
+        want[::2] = 0
+        torch.testing.assert_close(x.full_tensor(), want)

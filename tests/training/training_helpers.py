@@ -1,0 +1,95 @@
+"""Train examples/gpt.py's GPT on global tensors beside the same model on one device."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+import globaltensor as gt
+import globaltensor.nn as gnn
+from globaltensor.tensor import GlobalTensor
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch  # noqa: E402
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+CFG = GPTConfig()                      # vocab 64, d 32, 4 heads, 2 layers, block 16
+BATCH, SEQ = 8, 16
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def megatron(axis: int = 0, ndim: int = 1) -> dict:
+    return gnn.megatron_plan(**TENSOR_PARALLEL, axis=axis, ndim=ndim)
+
+
+@dataclass
+class Run:
+    model: GPT
+    reference: GPT
+    optimizer: object
+    losses: List[float] = field(default_factory=list)
+    ref_losses: List[float] = field(default_factory=list)
+
+
+def train_side_by_side(placement, plan, batch_sbp, optimizer: Tuple[type, dict], *, zero_axis: Optional[int] = None,
+                       steps: int = 3, cfg: GPTConfig = CFG) -> Run:
+    """``steps`` steps of the distributed model and of the single-device reference from the same init
+    and data. Checks each step: the losses agree, every gradient equals the reference's and has its
+    parameter's sbp (with ``zero_axis``: every shard's gradient has its shard's sbp); at the end
+    every parameter equals the reference's."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = GPT(cfg)
+    reference.load_state_dict(model.state_dict())
+    gnn.distribute_module(model, placement, plan)
+    cls, kwargs = optimizer
+    ref_opt = cls(reference.parameters(), **kwargs)
+    if zero_axis is None:
+        opt = cls(model.parameters(), **kwargs)
+    else:
+        opt = gnn.ZeroOptimizer(model.parameters(), cls, axis=zero_axis, **kwargs)
+    run = Run(model, reference, opt)
+    data = torch.Generator().manual_seed(1)
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(steps):
+        idx, targets = make_batch(cfg, BATCH, SEQ, data)
+        loss = model.loss(gt.distribute(idx, placement, batch_sbp), gt.distribute(targets, placement, batch_sbp))
+        ref_loss = reference.loss(idx, targets)
+        assert isinstance(loss, GlobalTensor)
+        torch.testing.assert_close(loss.full_tensor(), ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
+        loss.backward()
+        ref_loss.backward()
+        if zero_axis is None:
+            _check_grads(names, model.parameters(), reference.parameters(), step)
+        opt.step()
+        ref_opt.step()
+        if zero_axis is not None:
+            shards = [opt.shard_of(p) for p in model.parameters()]
+            _check_grads(names, shards, reference.parameters(), step)
+            for name, p in zip(names, model.parameters()):       # and read in the parameter's own layout
+                assert p.grad.sbp == p.sbp, f"step {step}: {name}.grad has sbp {p.grad.sbp}, param {p.sbp}"
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        run.losses.append(loss.item())
+        run.ref_losses.append(ref_loss.item())
+    for name, p, q in zip(names, model.parameters(), reference.parameters()):
+        assert p.placement == placement
+        torch.testing.assert_close(p.full_tensor(), q.detach(), **TOL, msg=lambda m: f"parameter {name}: {m}")
+    assert run.losses[-1] < run.losses[0], f"the model did not train: losses {run.losses}"
+    return run
+
+
+def _check_grads(names, params, ref_params, step) -> None:
+    for name, p, q in zip(names, params, ref_params):
+        g = p.grad
+        assert isinstance(g, GlobalTensor), f"step {step}: {name} has no global gradient ({type(g).__name__})"
+        assert g.sbp == p.sbp, f"step {step}: {name}.grad has sbp {g.sbp}, its parameter {p.sbp}"
+        torch.testing.assert_close(g.full_tensor(), q.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"step {step}: gradient of {name}: {m}")
+
