@@ -104,8 +104,22 @@ def spawn(worker: Callable, nproc: int, *args, timeout: float = 600.0):
     return result
 
 
+class Timing(float):
+    """A median time in seconds that also carries the fastest round (``.min``): on a loaded
+    machine the minimum shows the undisturbed cost, the median the typical one."""
+
+    def __new__(cls, median: float, fastest: float):
+        t = super().__new__(cls, median)
+        t.min = fastest
+        return t
+
+    def __reduce__(self):
+        return (Timing, (float(self), self.min))
+
+
 def timed(fn: Callable, *, warmup: int = 3, repeats: int = 7, inner: int = 3, sync: bool = True) -> float:
-    """Median over ``repeats`` rounds of the per-call seconds of ``fn`` (slowest rank per round)."""
+    """Median over ``repeats`` rounds of the per-call seconds of ``fn`` (slowest rank per round),
+    as a :class:`Timing` (its ``.min`` is the fastest round)."""
     return timed_many({"fn": fn}, warmup=warmup, repeats=repeats, inner=inner, sync=sync)["fn"]
 
 
@@ -134,7 +148,7 @@ def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, 
         t = torch.tensor([rounds[k] for k in names], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         rounds = dict(zip(names, t.tolist()))
-    out = {k: statistics.median(rounds[k]) for k in names}
+    out = {k: Timing(statistics.median(rounds[k]), min(rounds[k])) for k in names}
     out.update({k: None for k, f in fns.items() if f is None})
     return out
 
@@ -176,5 +190,17 @@ def table(headers: Sequence[str], rows: List[Sequence], title: str = "") -> str:
 
 def header(name: str) -> str:
     import platform
-    return (f"# {name}: torch {torch.__version__}, gloo, {os.cpu_count()} cores, OMP_NUM_THREADS="
-            f"{os.environ.get('OMP_NUM_THREADS')}, python {platform.python_version()}")
+    try:
+        load = open("/proc/loadavg").read().split()[0]
+    except OSError:
+        load = "?"
+    return (f"# {name}: torch {torch.__version__}, gloo, {os.cpu_count()} cores (load average {load}), "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, python {platform.python_version()}, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def load_average() -> str:
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "?"

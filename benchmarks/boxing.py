@@ -283,10 +283,7 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         x = make()
         got = x.to_global(placement=dst_p, sbp=dst_sbp)
         if rank in dst_p:
-            whole = got.to_global(sbp=(B,) * dst_p.ndim).to_local()
-            ok = torch.equal(whole, want)
-            if not ok:
-                print(rank, name, (whole - want).abs().max(), whole.shape, float(full.sum()), flush=True)
+            ok = torch.equal(got.to_global(sbp=(B,) * dst_p.ndim).to_local(), want)
         else:
             ok = True
         ok = H.slowest(0.0 if ok else 1.0) == 0.0
@@ -314,23 +311,34 @@ def main(argv=None) -> int:
         two_d += res.get("two_d", [])
         moves += res.get("moves", [])
 
+    def mins(r, *keys):
+        return " / ".join(H.fmt(r[k].min) if r.get(k) is not None else "-" for k in keys)
+
+    def rmin(a, b):
+        return H.ratio(a.min, b.min) if a is not None and b is not None else "-"
+
     rows = [[r["world"], r["conv"], H.fmt(r["gt"]), H.fmt(r["dt"]) if r["dt"] else "n/a", H.fmt(r["raw"]),
-             r["raw_name"], H.ratio(r["gt"], r["dt"]), H.ratio(r["gt"], r["raw"]), r["note"]] for r in one_d]
+             r["raw_name"], H.ratio(r["gt"], r["dt"]), H.ratio(r["gt"], r["raw"]), mins(r, "gt", "dt", "raw"),
+             rmin(r["gt"], r["dt"]), rmin(r["gt"], r["raw"]), r["note"]] for r in one_d]
     print(H.table(["ranks", "conversion", "gt ms", "DTensor ms", "raw ms", "raw collective", "gt/DTensor",
-                   "gt/raw", "note"], rows, "## 1-D conversions"))
+                   "gt/raw", "min gt / DT / raw", "gt/DT (min)", "gt/raw (min)", "note"], rows,
+                  "## 1-D conversions (medians; then the fastest rounds)"))
     if two_d:
         rows = [[r["conv"], H.fmt(r["gt"]), H.fmt(r["dt"]), H.fmt(r["raw"]), r["raw_name"],
-                 H.ratio(r["gt"], r["dt"]), H.ratio(r["gt"], r["raw"])] for r in two_d]
+                 H.ratio(r["gt"], r["dt"]), H.ratio(r["gt"], r["raw"]), mins(r, "gt", "dt", "raw"),
+                 rmin(r["gt"], r["dt"]), rmin(r["gt"], r["raw"])] for r in two_d]
         print()
-        print(H.table(["2x2 conversion", "gt ms", "DTensor ms", "raw ms", "hand-written", "gt/DTensor", "gt/raw"],
+        print(H.table(["2x2 conversion", "gt ms", "DTensor ms", "raw ms", "hand-written", "gt/DTensor", "gt/raw",
+                       "min gt / DT / raw", "gt/DT (min)", "gt/raw (min)"],
                       rows, "## 2-D conversions, 4 ranks (placement [[0,1],[2,3]] / DeviceMesh (2,2))"))
     if moves:
         rows = [[r["conv"], H.fmt(r["gt"]), "n/a (cannot move between meshes)", H.fmt(r["raw"]), r["raw_name"],
-                 H.ratio(r["gt"], r["raw"])] for r in moves]
+                 H.ratio(r["gt"], r["raw"]), mins(r, "gt", "raw"), rmin(r["gt"], r["raw"])] for r in moves]
         print()
-        print(H.table(["move", "gt ms", "DTensor", "raw ms", "hand-written", "gt/raw"], rows,
+        print(H.table(["move", "gt ms", "DTensor", "raw ms", "hand-written", "gt/raw", "min gt / raw",
+                       "gt/raw (min)"], rows,
                       "## Moves between placements, 4 ranks"))
-    print(f"\n(total {time.time() - t0:.0f} s)")
+    print(f"\n(total {time.time() - t0:.0f} s; load average at the end {H.load_average()})")
     return 0
 
 

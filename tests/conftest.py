@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Union
@@ -39,8 +39,8 @@ def free_port() -> int:
 @dataclass
 class LaunchResult:
     returncode: int
-    stdout: str
-    stderr: str
+    stdout: str = field(repr=False)
+    stderr: str = field(repr=False)
     elapsed: float
     command: List[str]
 

@@ -17,6 +17,7 @@ from .ops.registry import register_rule
 from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from .inspect import boxing_plan
 from .viz import render_sharding, visualize
+from . import nn
 
 install_tensor_methods()
 
@@ -25,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "sbp", "placement", "Placement", "GlobalTensor", "to_global", "distribute", "simulate", "rank", "world_size",
     "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
-    "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding",
+    "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding", "nn",
 ]

@@ -8,6 +8,9 @@ writes is echoed with a ``[rank N] `` prefix on the launcher's stdout or stderr.
 The job fails fast: as soon as one rank exits non-zero or dies by a signal, the others are
 sent SIGTERM, then SIGKILL after a grace period, and the launcher exits non-zero naming the
 rank and how it ended. ``--timeout`` bounds the whole job the same way.
+
+Exit status: 0 when every rank exits 0; else the failed rank's exit code (128 + N when it
+died by signal N), 124 on ``--timeout``, 128 + N when the launcher itself gets signal N.
 """
 from __future__ import annotations
 
@@ -121,14 +124,24 @@ def start_rank(cmd: List[str], env: dict) -> subprocess.Popen:
 
 
 def pump(rank: int, src: IO[bytes], dst: IO[bytes], lock: threading.Lock) -> None:
-    """Copy ``src`` to ``dst`` line by line, each line prefixed with ``[rank N] ``."""
+    """Copy ``src`` to ``dst`` line by line, each line prefixed with ``[rank N] ``.
+
+    If ``dst`` breaks (say the reader of a pipe went away), keep reading ``src`` anyway, so
+    that the rank never blocks on a full pipe.
+    """
     prefix = f"[rank {rank}] ".encode()
+    broken = False
     for line in iter(src.readline, b""):
+        if broken:
+            continue
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
-            dst.write(prefix + line)
-            dst.flush()
+            try:
+                dst.write(prefix + line)
+                dst.flush()
+            except (OSError, ValueError):
+                broken = True
     src.close()
 
 
@@ -263,8 +276,11 @@ def _drain(pumps: List[threading.Thread]) -> None:
 
 
 def _say(message: str) -> None:
-    sys.stderr.write(f"globaltensor.launch: {message}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"globaltensor.launch: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

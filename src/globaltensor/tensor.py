@@ -102,7 +102,7 @@ class GlobalTensor(torch.Tensor):
         """The whole logical value as a plain tensor, on every rank (differentiable)."""
         whole = self.to_global(sbp=(broadcast,) * self.placement.ndim)
         world = get_world()
-        if not set(world.local_ranks) <= set(self.placement.rank_list()):
+        if len(self.placement.rank_list()) != world.size:  # the same answer on every rank
             everywhere = Placement(self.placement.type, list(range(world.size)))
             whole = whole.to_global(placement=everywhere, sbp=broadcast)
         return whole.to_local()
@@ -206,10 +206,15 @@ class _ToLocal(torch.autograd.Function):
 
 
 def replicate(t: torch.Tensor, placement: Placement) -> GlobalTensor:
-    """A plain tensor, equal on every rank, as a broadcast global tensor on ``placement`` (no copy)."""
+    """A plain tensor, equal on every rank, as a broadcast global tensor on ``placement``.
+
+    The first held rank's piece is ``t`` itself (moved to its device); every other held rank
+    gets its own copy, so an in-place op on the result runs once on each rank's piece.
+    """
     world = get_world()
     layout = Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim)
-    pieces = {r: t.to(world.device(placement.type, r)) for r in placement.rank_list() if world.holds(r)}
+    held = [r for r in placement.rank_list() if world.holds(r)]
+    pieces = {r: t.to(world.device(placement.type, r), copy=i > 0) for i, r in enumerate(held)}
     return GlobalTensor(layout, pieces)
 
 
@@ -224,13 +229,12 @@ def _global_shape_from_pieces(local: torch.Tensor, placement: Placement, nd: tup
         for a in split_axes:
             shape[nd[a].dim] *= placement.hierarchy[a]
         return tuple(shape)
-    group = placement.rank_list()
+    everyone = tuple(range(world.size))  # ranks outside the placement need the shape too
     mine = torch.tensor(list(local.shape), dtype=torch.int64)
-    sizes = [1] * len(group)
-    gathered = world.all_gather(group, {world.rank: mine.view(1, -1)}, 0, sizes, (len(group), local.dim()),
-                                torch.int64)[world.rank]
-    shapes = {r: tuple(int(v) for v in gathered[i]) for i, r in enumerate(group)}
-    shape = list(local.shape)
+    gathered = world.all_gather(everyone, {world.rank: mine.view(1, -1)}, 0, [1] * world.size,
+                                (world.size, local.dim()), torch.int64)[world.rank]
+    shapes = {r: tuple(int(v) for v in gathered[r]) for r in placement.rank_list()}
+    shape = list(shapes[placement.rank_list()[0]])
     for d in {nd[a].dim for a in split_axes}:
         axes = [a for a in split_axes if nd[a].dim == d]
         shape[d] = sum(s[d] for r, s in shapes.items()

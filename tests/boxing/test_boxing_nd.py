@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import globaltensor as gt
 from globaltensor.boxing import plan_boxing
 
-from boxing_helpers import B, P, S, layout, logical, nbytes, run_plan, sbp_values
+from boxing_helpers import B, P, S, check_pieces, layout, logical, nbytes, run_plan, sbp_values
 
 HIERARCHIES = [(1, 2), (2, 1), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 1), (2, 2, 2), (1, 2, 3), (2, 1, 2),
                (2, 2, 1)]
@@ -61,7 +61,6 @@ def test_random_nd_to_global(case):
         t = logical(shape, seed=n)
         g = gt.distribute(t, pl, x)
         assert g.sbp == x
-        from boxing_helpers import check_pieces
         check_pieces(layout(shape, pl, x), g.local_tensors(), t)
         with gt.comm_stats() as st_:
             out = g.to_global(sbp=y)

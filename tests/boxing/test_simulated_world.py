@@ -6,6 +6,8 @@ import globaltensor as gt
 from globaltensor.comm import Transfer, stats
 from globaltensor.comm.simulated import SimulatedWorld
 
+from boxing_helpers import B, P, S, layout, logical, run_plan
+
 
 def ones(*shape, v=1.0):
     return torch.full(shape, v, dtype=torch.float32)
@@ -100,7 +102,6 @@ def test_comm_stats_nesting_and_exceptions():
 
 def test_single_rank_groups_issue_no_collective():
     """An axis of size one: its conversions are local (the one rank's piece is the whole)."""
-    from boxing_helpers import B, P, S, layout, logical, run_plan
     with gt.simulate(2):
         pl = gt.placement("cpu", [[0, 1]])  # hierarchy (1, 2)
         t = logical((4, 3))

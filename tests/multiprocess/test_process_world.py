@@ -1,6 +1,6 @@
 """The process world in 2- and 4-process gloo jobs, against the simulated world and a single rank.
 
-One launch per world size runs ``_rank_program.py`` (many checks batched); the tests below
+One launch per world size runs ``_rank_program.py`` (many checks batched); the checks below
 read its ``GT {json}`` records. Byte counts and random tensors are recomputed here, in this
 process, on a simulated world of the same size.
 """
@@ -38,7 +38,7 @@ class Job:
         for r, rec in got.items():
             if rec is None or "error" in rec:
                 why = "never finished" if rec is None else "raised:\n" + rec["error"]
-                pytest.fail(f"section {name!r} on rank {r} {why}\n" + self.result.describe(), pytrace=False)
+                raise AssertionError(f"section {name!r} on rank {r} {why}")
         return got
 
     def checked(self, name):
@@ -48,12 +48,6 @@ class Job:
         assert not failures, f"{len(failures)} failed checks in {name!r}:\n" + "\n".join(failures[:40])
         assert all(rec["checks"] > 0 for rec in recs.values()), f"section {name!r} ran no checks"
         return recs
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}proc")
-def job(request, launch):
-    n = request.param
-    return Job(n, launch(PROGRAM, n, check=False))
 
 
 # The rank program's inputs, rebuilt here (kept in step with _rank_program.py).
@@ -68,18 +62,18 @@ def logical(shape, salt):
     return torch.randn(*shape)
 
 
-def test_job_succeeds(job):
-    assert job.result.returncode == 0, job.result.describe()
+def check_job_succeeded(job):
+    assert job.result.returncode == 0, f"the job exited with {job.result.returncode}"
     for name in SECTIONS:
         job.section(name)
 
 
-def test_rank_and_world_size(job):
+def check_rank_and_world_size(job):
     recs = job.checked("world")
     assert {r: (rec["rank"], rec["world_size"]) for r, rec in recs.items()} == {r: (r, job.n) for r in range(job.n)}
 
 
-def test_conversion_pieces_and_numpy(job):
+def check_conversion_pieces_and_numpy(job):
     recs = job.checked("conversions")
     # 2 placements x shapes x 16 pairs, each checking source piece, shape, sbp, piece, numpy()
     assert min(rec["checks"] for rec in recs.values()) >= 2 * len(SHAPES) * 16 * 5
@@ -104,7 +98,7 @@ def simulated_stats(n):
     return stats
 
 
-def test_comm_stats_match_simulated_world(job):
+def check_comm_stats_match_simulated_world(job):
     recs = job.section("conversions")
     expected = simulated_stats(job.n)
     for r, rec in recs.items():
@@ -117,7 +111,7 @@ def test_comm_stats_match_simulated_world(job):
     assert expected["all (8, 6) S0->B"]["bytes"] == 8 * 6 * 4 * (job.n - 1) // job.n
 
 
-def test_random_factories_match_simulated_and_single_rank(job):
+def check_random_factories_match_simulated_and_single_rank(job):
     recs = job.checked("random")
     mismatches = []
     for fname in ("randn", "rand"):
@@ -140,9 +134,31 @@ def test_random_factories_match_simulated_and_single_rank(job):
     assert len({json.dumps(rec["values"]["randn (7, 5) S0"]) for rec in recs.values()}) == 1
 
 
-def test_to_global_from_uneven_local_pieces(job):
+def check_to_global_from_uneven_local_pieces(job):
     job.checked("from_local")
 
 
-def test_subset_placement(job):
+def check_subset_placement(job):
     job.checked("subset")
+
+
+CHECKS = [check_job_succeeded, check_rank_and_world_size, check_conversion_pieces_and_numpy,
+          check_comm_stats_match_simulated_world, check_random_factories_match_simulated_and_single_rank,
+          check_to_global_from_uneven_local_pieces, check_subset_placement]
+
+
+@pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"{n}proc")
+def test_process_world(n, launch):
+    """One launch, every check; a failure names each check that failed, then the job's output.
+
+    (One test per world size rather than one per check: under pytest-xdist a module-scoped
+    fixture would launch the same job again on every worker that gets one of the checks.)
+    """
+    job = Job(n, launch(PROGRAM, n, check=False))
+    failed = []
+    for check in CHECKS:
+        try:
+            check(job)
+        except AssertionError as e:
+            failed.append(f"--- {check.__name__}: {e}")
+    assert not failed, "\n".join(failed) + "\n\n" + job.result.describe()

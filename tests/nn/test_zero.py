@@ -162,6 +162,9 @@ def test_zero_grad_state_dict_closure_and_errors(p1):
         gnn.ZeroOptimizer(net().parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="axis"):
         gnn.ZeroOptimizer(m.parameters(), torch.optim.SGD, axis=1, lr=0.1)
+    with pytest.raises(ValueError, match="partial_sum"):
+        gnn.ZeroOptimizer([gt.zeros(4, placement=p1, sbp=gt.sbp.partial_sum, requires_grad=True)],
+                          torch.optim.SGD, lr=0.1)
     with pytest.raises(TypeError, match="optimizer_class"):
         gnn.ZeroOptimizer(m.parameters(), "sgd", lr=0.1)
     with pytest.raises(ValueError, match="empty"):

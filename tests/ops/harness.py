@@ -1,24 +1,25 @@
 """Checking ops on global tensors against the same computation on one device.
 
-``check_candidates(op, *args)``: for each candidate signature of ``op``'s rule (and the
-all-broadcast one), on a 1-D placement of 4 ranks and a 2x2 placement, lay the inputs out
-as the candidate asks (partial inputs as random splits of the value), run the op, and
-compare every output with the op on the plain tensors.
+``check_candidates(op, *args)``: for each candidate signature of ``op``'s rule, on a 1-D
+placement of 4 ranks and a 2x2 placement (there with the all-broadcast one in the product),
+lay the inputs out as the candidate asks (partial inputs as random splits of the value),
+run the op with exactly that signature, and compare every output -- value and layout --
+with the op on the plain tensors.
 ``check_layouts(fn, *args)``: the same for any function, with every input on random
 layouts; ``grad=True`` also compares the inputs' gradients and checks their SBP.
 """
 from __future__ import annotations
 
 import random
-from itertools import product
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
 from globaltensor.boxing import Layout
+from globaltensor.ops.dispatch import _decide
 from globaltensor.ops.registry import find_rule
-from globaltensor.sbp import as_signature, nd_candidates, broadcast, partial_sum, split
+from globaltensor.sbp import all_broadcast, as_signature, broadcast, nd_candidates, partial_sum, split
 
 PLACEMENTS = {"1d": lambda: gt.placement("cpu", [0, 1, 2, 3]), "2x2": lambda: gt.placement("cpu", [[0, 1], [2, 3]])}
 
@@ -88,16 +89,19 @@ def candidate_signatures(op, *args, **kwargs) -> list:
 
 
 def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), max_2d=12, seed=0, **kwargs):
-    """Every candidate of ``op``'s rule gives the single-device result; returns how many ran."""
+    """Each candidate of ``op``'s rule, forced on its own with the inputs in its layouts, gives the
+    single-device result and outputs in its layouts; returns how many ran."""
     want = op(*args, **kwargs)
     sigs = candidate_signatures(op, *args, **kwargs)
     assert sigs, f"{op}: the rule gave no candidates for these arguments"
+    replicated = all_broadcast(len(sigs[0].inputs), len(sigs[0].outputs))
+    shape_checked = find_rule(op).check_shapes
     rng = random.Random(seed)
     ran = 0
     with gt.simulate(4):
         for name in placements:
             p = PLACEMENTS[name]()
-            combos = nd_candidates([sigs] * p.ndim)
+            combos = nd_candidates([sigs if p.ndim == 1 else sigs + [replicated]] * p.ndim)
             if len(combos) > max_2d:
                 combos = rng.sample(combos, max_2d)
             for c in combos:
@@ -105,16 +109,18 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
                 tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
                 for k, i in enumerate(tensors):
                     flat[i] = make_global(flat[i], p, c.inputs[k], rng)
-                a, kw = spec.unflatten(flat) if hasattr(spec, "unflatten") else _unflatten(flat, spec)
-                got = op(*a, **kw)
-                _compare(got, want, f"{op} on {name} with inputs {c.inputs}", rtol, atol)
+                a, kw = tree_unflatten(flat, spec)
+                what = f"{op} on {name} with candidate {c.inputs} -> {c.outputs}"
+                run = _decide(op, a, kw, only=c)
+                if run is None:
+                    assert shape_checked, f"{what}: the dispatcher did not admit it"
+                    continue  # its pieces do not line up on this shape: rightly not used
+                got = run(a, kw)
+                _compare(got, want, what, rtol, atol)
+                outs = [o.sbp for o in tree_flatten(got)[0] if isinstance(o, torch.Tensor)]
+                assert outs == list(c.outputs), f"{what}: outputs came as {outs}"
                 ran += 1
     return ran
-
-
-def _unflatten(flat, spec):
-    from torch.utils._pytree import tree_unflatten
-    return tree_unflatten(flat, spec)
 
 
 def random_nd_sbp(t: torch.Tensor, placement, rng: random.Random, partial=True) -> tuple:

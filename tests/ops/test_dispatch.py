@@ -105,9 +105,9 @@ def test_repeated_op_reuses_its_decision(monkeypatch):
     calls = []
     decide = dispatch._decide
 
-    def counting(func, args, kwargs):
+    def counting(func, args, kwargs, **options):
         calls.append(func)
-        return decide(func, args, kwargs)
+        return decide(func, args, kwargs, **options)
 
     monkeypatch.setattr(dispatch, "_decide", counting)
     with gt.simulate(4):

@@ -8,7 +8,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.ops import fallback
-from globaltensor.ops.registry import RULES
+from globaltensor.ops.registry import RULES, find_rule
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
 from harness import PLACEMENTS, make_global
 
@@ -72,8 +72,11 @@ def test_fallback_warns_once_naming_the_op(name):
     fallback._warned.discard(op)
     with gt.simulate(4):
         x = lay(T, S(0))
-        with pytest.warns(UserWarning, match=rf"{op}.*gathered to broadcast"):
+        with pytest.warns(UserWarning, match=rf"{op}.*gathered to broadcast") as record:
             fn(x)
+        message = "".join(str(w.message) for w in record if str(op) in str(w.message))
+        # x[x > 0] has a rule (index.Tensor) that cannot plan a data-dependent shape: said so
+        assert ("has no SBP rule" in message) == (find_rule(op) is None), message
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             fn(x)                       # the second call is silent

@@ -5,14 +5,22 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from globaltensor.ops import dispatch
-from globaltensor.ops.registry import RULES, Rule
+from globaltensor.ops.registry import RULES, register_rule
 from globaltensor.ops.rules import loss
 from harness import candidate_signatures, check_candidates, check_layouts
 
 aten = torch.ops.aten
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 NONE, MEAN, SUM = 0, 1, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny kernels: one intra-op thread (a busy machine makes OpenMP's spinning cost seconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _targets(n, c, *rest, ignore=-100, seed=0):
@@ -169,23 +177,24 @@ _SOFTMAX_BACKWARD = [aten._log_softmax_backward_data.default, aten._softmax_back
 @pytest.fixture
 def split_softmax():
     """The softmax rules (nn_activation.py) with loss.py's split-dim candidates and kernels
-    added, as that module would register them; restored afterwards."""
+    added, as that module would register them; restored afterwards (registering drops the
+    dispatcher's cached decisions both times)."""
     saved = {op: RULES[op] for op in _SOFTMAX + _SOFTMAX_BACKWARD}
 
-    def extended(rule, extra, kernel):
-        return Rule(lambda *a, **k: list(rule.candidates(*a, **k)) + extra(*a, **k), rule.local,
-                    rule.check_shapes, kernel)
+    def extend(op, extra, kernel):
+        rule = saved[op]
+        register_rule(op, lambda *a, **k: list(rule.candidates(*a, **k)) + extra(*a, **k), local=rule.local,
+                      check_shapes=rule.check_shapes, kernel=kernel)
 
     for op in _SOFTMAX:
-        RULES[op] = extended(saved[op], loss.split_softmax_candidates, loss.split_softmax_kernel)
+        extend(op, loss.split_softmax_candidates, loss.split_softmax_kernel)
     for op in _SOFTMAX_BACKWARD:
-        RULES[op] = extended(saved[op], loss.split_softmax_backward_candidates, loss.split_softmax_backward_kernel)
-    dispatch._CACHE.clear()
+        extend(op, loss.split_softmax_backward_candidates, loss.split_softmax_backward_kernel)
     try:
         yield
     finally:
-        RULES.update(saved)
-        dispatch._CACHE.clear()
+        for op, rule in saved.items():
+            register_rule(op, rule.candidates, local=rule.local, check_shapes=rule.check_shapes, kernel=rule.kernel)
 
 
 @pytest.mark.parametrize("op", _SOFTMAX)
@@ -240,3 +249,11 @@ def test_split_softmax_extreme_rows(split_softmax):
     x[3, 0] = 80.0
     check_candidates(aten._log_softmax.default, x, 1, False, placements=("1d",))
     check_candidates(aten._softmax.default, x, 1, False, placements=("1d",))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_parallel_random_layouts(split_softmax, reduction):
+    """With the split softmax in place, cross_entropy stays exact on any layout."""
+    torch.manual_seed(9)
+    x, t = torch.randn(7, 11), _targets(7, 11)
+    check_layouts(lambda x, t: F.cross_entropy(x, t, reduction=reduction), x, t, grad=True, trials=4, seed=2)

@@ -20,6 +20,14 @@ def lay(t, sbp, placement="1d", seed=0):
     return make_global(t, PLACEMENTS[placement](), sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
 
+def check_all(op, *args, placements=("1d", "2x2"), max_2d=12, **kwargs):
+    """``check_candidates``, and every candidate of the rule ran (on the 1-D placement at least)."""
+    n = len(candidate_signatures(op, *args, **kwargs))
+    ran = check_candidates(op, *args, placements=placements, max_2d=max_2d, **kwargs)
+    assert ran >= n, f"{op}: {ran} runs for {n} candidates"
+    return ran
+
+
 def sigs(op, *args, **kwargs):
     return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
 
@@ -99,7 +107,8 @@ def test_casts(dtype):
 
 def test_clone_detach_alias_copy():
     for op in (aten.clone.default, aten.detach.default, aten.alias.default):
-        assert check_candidates(op, X, max_2d=6) == 3 + 6
+        assert len(candidate_signatures(op, X)) == 3        # S(0), S(1), P
+        check_all(op, X, max_2d=6)
     assert check_candidates(aten.copy.default, X, Y[0], max_2d=6) >= 2
     assert check_candidates(aten.copy.default, X, Y, max_2d=6) >= 3
     assert not has_partial(aten.copy_.default, X.int(), Y)               # rounding into an int is not linear

@@ -2,7 +2,8 @@
 
 Pieces are ``{rank: tensor}`` for the ranks of the layout's placement that live in this
 process. Every rank walks the same steps and groups in the same order, so collectives are
-issued identically everywhere; a rank outside a group skips it.
+issued identically everywhere; a rank outside a group skips it (still counting its bytes in
+gt.comm_stats(), so every process counts every rank alike).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from .plan import Plan, Step
 
 def execute(plan: Plan, pieces: dict, world: World) -> dict:
     for step in plan.steps:
+        if step.is_collective:
+            world.prepare_groups(step.groups)
         pieces = _RUNNERS[step.op](step, pieces, world)
     return pieces
 

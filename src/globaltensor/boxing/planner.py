@@ -1,11 +1,13 @@
 """The boxing planner: pure, layouts in, plan out, cached.
 
 On one placement it searches the nd-SBP states for the cheapest sequence of clean axis
-steps (see axis_step), merging axes into one flattened group where they hold the same SBP;
-the cost is (bytes the busiest rank sends, number of collectives, number of steps).
-Between placements it reduces partial axes in the source placement, moves the
-intersecting blocks by send/recv (or broadcasts a replicated tensor), then finishes in the
-target placement.
+steps (see axis_step), merging axes into one flattened group where they hold the same SBP,
+plus all-to-alls straight to the target over several axes; the cost is (bytes the busiest
+rank sends, number of collectives, number of steps). Between placements it takes the
+cheapest of a few routes (see _across): send/recv of the intersecting blocks, one
+all-gather over a source replica and the target ranks, or a broadcast, with partial axes
+reduced in the source placement first. Either way no rank sends more than the tensor once
+plus the reduce-scatter of a partial source.
 """
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ def plan_boxing(src: Layout, dst: Layout) -> Plan:
 
 
 def _values(src: Layout, target: tuple) -> list:
-    vals = [broadcast] + [split(d) for d in range(len(src.shape))]
+    """The SBP values worth passing through: B, P where either side has it, and splits of the
+    dims either side splits (a detour through another dim never moves fewer bytes)."""
+    dims = sorted({v.dim for v in src.nd_sbp + target if v.is_split})
+    vals = [broadcast] + [split(d) for d in dims]
     if src.has_partial or any(v.is_partial for v in target):
         vals.append(partial_sum)
     return vals
@@ -46,6 +51,8 @@ def _search(src: Layout, target: tuple) -> list:
     if src.nd_sbp == target:
         return []
     naxes = len(target)
+    if naxes == 1:
+        return [make_step(src, (0,), target[0])]
     values = _values(src, target)
     subsets = [c for k in range(1, naxes + 1) for c in combinations(range(naxes), k)]
     best = {src.nd_sbp: (0, 0, 0)}

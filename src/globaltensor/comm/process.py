@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -28,50 +29,83 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("GT_COLLECTIVE_TIMEOUT", "300")))
 
 
-def _destroy_at_exit() -> None:
-    """Tear down the process group this module created: left to interpreter shutdown, gloo's
-    threads abort the process ("terminate called without an active exception", SIGABRT) when
-    the store is hosted elsewhere, as under torchrun."""
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
+def _note_uncaught_errors(world) -> None:
+    """Mark ``world`` failed when the program dies of an exception: then its exit skips the final
+    barrier, so the launcher sees the failure at once instead of after a barrier timeout."""
+    previous = sys.excepthook
+
+    def hook(*exc):
+        world._failed = True
+        previous(*exc)
+    sys.excepthook = hook
 
 
 class ProcessWorld(World):
     simulated = False
 
     def __init__(self):
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if v not in os.environ]
             if missing:
                 raise RuntimeError(f"process world: environment variables {missing} are not set")
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=collective_timeout())
-            atexit.register(_destroy_at_exit)
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.local_ranks = (self.rank,)
         self._local_set = frozenset(self.local_ranks)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._groups = {}
+        self._failed = False
+        _note_uncaught_errors(self)
+        atexit.register(self._shutdown, created)
 
     def device(self, device_type: str, rank: int) -> torch.device:
         return torch.device("cpu") if device_type == "cpu" else torch.device("cuda", self.local_rank)
 
+    def _shutdown(self, destroy: bool) -> None:
+        """At exit: drop the cached groups and destroy the process groups this world created.
+
+        A gloo worker thread frees each finished collective's tensors after the caller has
+        moved on; if that happens during interpreter shutdown, the process aborts ("terminate
+        called without an active exception", SIGABRT -- seen under torchrun). Destroying the
+        groups first joins those threads, and it can only do so when no reference held here
+        keeps a group alive.
+        """
+        self._groups.clear()
+        if destroy and dist.is_initialized():
+            try:
+                if not self._failed:
+                    dist.barrier()  # a peer may still be receiving what this rank sent last
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
     # -- groups ---------------------------------------------------------------------------
+    def prepare_groups(self, groups) -> None:
+        """Create the process groups of ``groups`` not made yet -- on every rank, members or not.
+
+        torch names a new group after how many groups its process already has, so every
+        process must create the same groups in the same order: callers reach this from code
+        every rank runs (each boxing step, in plan order), not from inside a collective.
+        """
+        for group in groups:
+            key = tuple(sorted(group))
+            if key not in self._groups and len(key) > 1:
+                self._groups[key] = dist.group.WORLD if key == tuple(range(self.size)) else \
+                    dist.new_group(list(key), timeout=collective_timeout())
+
     def _pg(self, group: tuple):
         """The process group of ``group`` and, for each member in ``group`` order, its group rank."""
         key = tuple(sorted(group))
-        entry = self._groups.get(key)
-        if entry is None:
-            if key == tuple(range(self.size)):
-                pg = dist.group.WORLD
-            else:
-                pg = dist.new_group(list(key), use_local_synchronization=True, timeout=collective_timeout())
-            entry = self._groups[key] = pg
-        return entry, [key.index(r) for r in group]
+        pg = self._groups.get(key)
+        if pg is None:
+            if key != tuple(range(self.size)):
+                raise RuntimeError(f"globaltensor: rank {self.rank}: no process group for ranks {list(key)}; "
+                                   f"World.prepare_groups must run on every rank first")
+            pg = self._groups[key] = dist.group.WORLD
+        return pg, [key.index(r) for r in group]
 
     def _run(self, op: str, group: tuple, fn):
         try:
@@ -121,8 +155,8 @@ class ProcessWorld(World):
             shapes.append(tuple(shp))
         recv = self._all_to_all(group, {me: list(torch.split(x, list(sizes), dim=dim))},
                                 [[shapes[j] for j in range(len(group))] for _ in group], x.dtype)[me]
-        out = recv[0].clone()
-        for t in recv[1:]:
+        out = torch.add(recv[0], recv[1]) if len(recv) > 1 else recv[0].clone()  # one pass, no clone
+        for t in recv[2:]:
             out.add_(t)
         return {me: out}
 
@@ -142,8 +176,8 @@ class ProcessWorld(World):
         # One flat buffer each way, in group-rank order: gloo's list all_to_all needs every
         # tensor to have the same shape, its all_to_all_single takes uneven split sizes.
         by_group_rank = sorted(range(len(group)), key=lambda j: order[j])
-        send = torch.cat([mine[j].reshape(-1) for j in by_group_rank]) if mine else torch.empty(0, dtype=dtype)
         send_sizes = [mine[j].numel() for j in by_group_rank]
+        send = _pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, device)
         recv_sizes = [numel(shapes[j][i_me]) for j in by_group_rank]
         recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
         self._run("all_to_all", group,
@@ -179,3 +213,30 @@ class ProcessWorld(World):
             peers = sorted({t.src for t in transfers} | {t.dst for t in transfers})
             self._run("send_recv", tuple(peers), lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
         return out
+
+
+def _pack(chunks, total: int, dtype, device) -> torch.Tensor:
+    """The chunks as one flat send buffer, in order, with at most one copy of each.
+
+    Chunks that are consecutive contiguous views of one storage (the parts of a dim-0 split)
+    are sent as they lie, without a copy; others (column blocks) are copied once straight
+    into the buffer (``reshape(-1)`` then ``cat`` would copy them twice).
+    """
+    nonempty = [c for c in chunks if c.numel()]
+    if nonempty and all(c.is_contiguous() for c in nonempty):
+        base = nonempty[0]
+        ptr, storage = base.data_ptr(), base.untyped_storage().data_ptr()
+        for c in nonempty:
+            if c.data_ptr() != ptr or c.untyped_storage().data_ptr() != storage:
+                break
+            ptr += c.numel() * c.element_size()
+        else:
+            return base.as_strided((total,), (1,), base.storage_offset())
+    send = torch.empty(total, dtype=dtype, device=device)
+    offset = 0
+    for c in chunks:
+        n = c.numel()
+        if n:
+            send[offset:offset + n].view(c.shape).copy_(c)
+        offset += n
+    return send

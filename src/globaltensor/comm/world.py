@@ -46,6 +46,10 @@ class World(ABC):
     def holds(self, rank: int) -> bool:
         return rank in self._local_set
 
+    def prepare_groups(self, groups) -> None:
+        """Make ready the communicators of ``groups``; every rank calls it with the same groups in
+        the same order (a process world creates process groups here; nothing to do in one process)."""
+
     @abstractmethod
     def device(self, device_type: str, rank: int) -> torch.device:
         """The torch device that holds ``rank``'s pieces of a placement of ``device_type``."""

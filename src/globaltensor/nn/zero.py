@@ -78,6 +78,9 @@ class ZeroOptimizer:
         if not isinstance(self.axis, int) or not 0 <= self.axis < p.placement.ndim:
             raise ValueError(f"ZeroOptimizer(axis=): expected a placement axis in 0..{p.placement.ndim - 1} "
                              f"for a parameter on {p.placement}, got {self.axis!r}")
+        if any(v.is_partial for v in p.sbp):
+            raise ValueError(f"ZeroOptimizer: a parameter of shape {tuple(p.shape)} has sbp {p.sbp}; parameters "
+                             f"must be split or broadcast, not partial_sum")
         with torch.no_grad():
             shard = p.detach().to_global(sbp=shard_sbp(p, self.axis)).clone()
         return shard.requires_grad_(p.requires_grad)

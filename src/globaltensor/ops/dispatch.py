@@ -25,7 +25,7 @@ from .fallback import run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
 from .local_run import LocalRun
-from .registry import find_rule
+from .registry import find_rule, on_rules_changed
 from .viewwrite import wrap as _views_and_writes
 
 _CACHE: dict = {}
@@ -100,7 +100,9 @@ def _out_kind(meta_out) -> str:
     return "other"
 
 
-def _decide(func, args, kwargs) -> Callable:
+def _decide(func, args, kwargs, only=None) -> Callable:
+    """How to run ``func`` on these arguments. ``only`` (tests) restricts the choice to one
+    nd-signature; None comes back when it is not admissible for these arguments."""
     rule = find_rule(func)
     if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
         return _flat(lambda f, s: run_foreach(func, f, s))
@@ -139,15 +141,27 @@ def _decide(func, args, kwargs) -> Callable:
     if rule.check_shapes:
         candidates = [c for c in candidates
                       if _pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, positions, rule, placement)]
+    if only is not None:
+        candidates = [c for c in candidates if c == only]
+        if not candidates:
+            return None
 
     def cost(c):
+        """Bytes to box the inputs; making an input partial also costs the reduction it defers."""
         total, steps = 0, 0
         for lay, nd in zip(in_layouts, c.inputs):
-            plan = plan_boxing(lay, lay.with_sbp(nd))
+            target = lay.with_sbp(nd)
+            plan = plan_boxing(lay, target)
             total += plan.bytes
             steps += len(plan.steps)
+            if any(v.is_partial and not u.is_partial for u, v in zip(lay.nd_sbp, nd)):
+                total += plan_boxing(target, lay).bytes
         return (total, steps)
 
+    # a candidate taking the inputs as they are costs nothing: no need to plan the others
+    exact = [c for c in candidates if all(nd == lay.nd_sbp for lay, nd in zip(in_layouts, c.inputs))]
+    if exact:
+        candidates, cost = exact, lambda c: (0, 0)
     chosen = choose(candidates, cost)
     targets = [_intern(lay.with_sbp(nd)) for lay, nd in zip(in_layouts, chosen.inputs)]
     out_layouts = [_intern(Layout(shape, dtype, placement, nd)) for (shape, dtype), nd in zip(out_meta, chosen.outputs)]
@@ -205,3 +219,4 @@ def _run_decomposition(func, decomposed, args, kwargs):
 
 
 set_dispatcher(dispatch)
+on_rules_changed(_CACHE.clear)

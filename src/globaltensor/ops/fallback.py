@@ -14,6 +14,7 @@ from ..boxing import Layout
 from ..comm import get_world
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, replicate
+from .registry import find_rule
 from .viewwrite import fallback_view, propagate
 
 _warned: set = set()
@@ -22,8 +23,12 @@ _warned: set = set()
 def _warn_once(func) -> None:
     if func not in _warned:
         _warned.add(func)
-        warnings.warn(f"globaltensor: {func} has no SBP rule; its inputs are gathered to broadcast "
-                      f"and it runs on every replica (register one with gt.register_rule)", stacklevel=4)
+        if find_rule(func) is None:
+            why, hint = "has no SBP rule", "register one with gt.register_rule"
+        else:   # a rule that cannot plan this call: an output shape that depends on the data, say
+            why, hint = "has an SBP rule that cannot plan this call", "e.g. its output shape depends on the data"
+        warnings.warn(f"globaltensor: {func} {why}; its inputs are gathered to broadcast "
+                      f"and it runs on every replica ({hint})", stacklevel=4)
 
 
 def run_fallback(func, flat, spec):

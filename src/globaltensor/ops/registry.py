@@ -34,6 +34,12 @@ class Rule:
 
 
 RULES: dict = {}
+_listeners: list = []
+
+
+def on_rules_changed(fn) -> None:
+    """Call ``fn()`` whenever a rule is registered (the dispatcher drops its cached decisions)."""
+    _listeners.append(fn)
 
 
 def _overloads(op) -> list:
@@ -53,6 +59,8 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule
+        for listener in _listeners:
+            listener()
         return fn
     if candidates is None:
         return install

@@ -34,7 +34,11 @@ def aliased_argument(func) -> Optional[int]:
         if info is None or info.is_write:
             continue
         for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and not a.alias_info.is_write and a.alias_info.before_set & info.before_set:
+            arg = a.alias_info
+            if arg is None or arg.is_write:
+                continue
+            # ``Tensor(a) -> Tensor(a)``; a list result (split, unbind): ``Tensor(a -> *) -> Tensor(a)[]``
+            if arg.before_set & info.before_set or (not info.before_set and "*" in arg.after_set):
                 return i
     return None
 
@@ -46,10 +50,11 @@ def _argument(func, args, kwargs, i):
 def remember(out, base, func, args, kwargs) -> None:
     """Mark ``out`` (a tensor or a list of them) as a copy-view of ``base`` made by ``func``."""
     if isinstance(out, GlobalTensor):
-        out._view_of = (base, func, args, kwargs, None)
+        if out is not base:
+            out._view_of = (base, func, args, kwargs, None)
     elif isinstance(out, (list, tuple)):
         for j, o in enumerate(out):
-            if isinstance(o, GlobalTensor):
+            if isinstance(o, GlobalTensor) and o is not base:
                 o._view_of = (base, func, args, kwargs, j)
 
 
@@ -90,7 +95,7 @@ class _ViewRun:
     def __call__(self, args, kwargs):
         out = self.run(args, kwargs)
         base = get(args, kwargs, self.pos)
-        if type(base) is GlobalTensor and (base._layout != self.target or
+        if type(base) is GlobalTensor and ((base._layout is not self.target and base._layout != self.target) or
                                            getattr(base, "_view_of", None) is not None):
             remember(out, base, self.func, args, kwargs)
         return out

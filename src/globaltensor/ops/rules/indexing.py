@@ -11,10 +11,15 @@ result: each rank adds its part of the source into its own partial piece (zeros 
 holds none), and the parts sum to the whole -- the pattern of an embedding's backward.
 Scatters that overwrite keep only the splits of dims they do not index.
 
+``gather`` / ``scatter`` off their ``dim`` pair row i of the index with row i of the tensor,
+so there the index splits only together with the tensor (and only where their sizes agree);
+along ``dim`` the index carries global positions, so it may split alone.
+
 A split of an indexed dim would need each rank's index moved into its piece's coordinates
 and the rows it does not hold masked out; with no candidate for it, such an input is
-gathered first. Boolean masks (``x[x > 0]``, ``masked_select``, ``nonzero``) give
-data-dependent shapes: they run through the fallback.
+gathered first. ``x[mask] = v`` with one value is a masked fill: the mask splits along with
+``x``. Reading through a boolean mask (``x[x > 0]``, ``masked_select``, ``nonzero``) gives a
+data-dependent shape: it runs through the fallback.
 """
 from __future__ import annotations
 
@@ -98,9 +103,6 @@ def _index_put(*args, **kwargs):
     x, indices, values, accumulate = a["self"], a["indices"], a["values"], a["accumulate"]
     adv = _Advanced(x, indices)
     n = len(adv.tensors)
-    out_shape = [None] * adv.out_ndim
-    for d, o in adv.kept.items():
-        out_shape[o] = x.shape[d]
     cands = [sig([S(d)] + [B] * n + [_value_sbp(values, adv.out_ndim, o, x.shape[d])], [S(d)])
              for d, o in adv.kept.items()]
     if adv.has_bool and n == 1 and indices[0] is not None and values.numel() == 1:

@@ -65,10 +65,23 @@ def _new(op):
         return kept + [sig([S(d)], [B]) for d in range(x.dim())] + [sig([P], [B])]
 
     def local(rank, ins, outs, *args, **kwargs):
-        return with_arg(op, args, kwargs, "size", list(outs[0].piece_shape(rank)))
+        shape = list(outs[0].piece_shape(rank))
+        args, kwargs = with_arg(op, args, kwargs, "size", shape)
+        if "stride" in schema_args(op, args, kwargs):  # new_empty_strided: the piece's own strides
+            args, kwargs = with_arg(op, args, kwargs, "stride", _contiguous_strides(shape))
+        return args, kwargs
     return rule, local
 
 
-for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default):
+def _contiguous_strides(shape) -> list:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
+for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+            aten.new_empty_strided.default):
     _rule, _local = _new(_op)
     register_rule(_op, _rule, local=_local)

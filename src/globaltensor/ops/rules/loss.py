@@ -32,7 +32,8 @@ for "mean") at each row's target. ``x`` is only read for its shape. Batch split:
 ``g, S(d), S(d'), [B], tw -> S(d)`` (``g`` is ``S(d')`` for "none", else ``B``); class split:
 ``B, S(1), B, [B], tw -> S(1)`` with the same target shift through ``local``; partial
 ``g``: ``P, B, B, [B], tw -> P``. ``total_weight`` must be the global one (``B``) for "mean";
-"sum" and "none" do not read it, so ``P`` is accepted there too.
+"sum" and "none" do not read it, so there it is taken as ``P``, which every layout boxes to
+without moving a byte (the forward of "sum" leaves it partial).
 
 Loss parallel: ``F.cross_entropy(logits, target)`` with the logits split along the classes is
 ``_log_softmax`` over the split dim, then ``nll_loss_forward`` as above. A softmax over a split
@@ -41,7 +42,10 @@ module gives its exact form, :func:`split_softmax_kernel` (and the backward,
 :func:`split_softmax_backward_kernel`): each rank's own row maxima are gathered (``[N, k]``
 numbers for ``k`` ranks along the split), the exponentials are summed locally and all-reduced
 (``N`` numbers), and each rank finishes its own piece -- the ``[N, C]`` logits never move. The
-softmax ops' rule lives in ``nn_activation.py``; it takes this form by adding
+backward all-reduces one row sum the same way. Unlike a plain kernel these two communicate
+(through ``box``, so the bytes are counted and every process issues the same collectives in
+the same order; a process holding no rank of the placement skips them). The softmax ops'
+rule lives in ``nn_activation.py``; it takes this form by adding
 :func:`split_softmax_candidates` / :func:`split_softmax_backward_candidates` to its candidates
 and the kernels as its ``kernel`` (they run the plain op on each rank wherever the softmax
 dim is not split).
@@ -85,10 +89,6 @@ def _call_args(func, named: dict) -> tuple:
         else:
             args.append(named[a.name])
     return tuple(args), kwargs
-
-
-def _numel(shape) -> int:
-    return math.prod(shape)
 
 
 # -- nll_loss ---------------------------------------------------------------------------------
@@ -185,13 +185,10 @@ def _nll_backward_candidates(grad_output, x, target, weight=None, reduction=MEAN
     if x.dim() < 2:
         return []
     w = [] if weight is None else [B]
-    cands = []
-    for tw in ([B] if reduction == MEAN else [B, P]):
-        for d, td in _row_dims(x):
-            g = S(td) if reduction == NONE else B
-            cands.append(sig([g, S(d), S(td)] + w + [tw], [S(d)]))
-        cands.append(sig([B, S(1), B] + w + [tw], [S(1)]))
-        cands.append(sig([P, B, B] + w + [tw], [P]))
+    tw = B if reduction == MEAN else P   # unread but for "mean"; any layout boxes to P for free
+    cands = [sig([S(td) if reduction == NONE else B, S(d), S(td)] + w + [tw], [S(d)]) for d, td in _row_dims(x)]
+    cands.append(sig([B, S(1), B] + w + [tw], [S(1)]))
+    cands.append(sig([P, B, B] + w + [tw], [P]))
     return cands
 
 

@@ -5,10 +5,15 @@ Partial sums pass through only where the op is linear in them, all partial input
 and every other tensor input broadcast: P+P and P-P (any ``alpha``), P*B and B*P, P/B (true
 division only: a rounding mode is not linear), -P, ``where(c, P, P)`` (the condition
 broadcast), ``lerp(P, P, w)``, ``addcmul(P, P, B)``, ``masked_fill(P, m, 0)``, casts between
-floating types, clone / copy / alias. A partial operand must be floating (or complex), and so
+floating types, clone / copy / alias, and the activation gradients (``threshold_backward``,
+``gelu_backward``, ...) in their incoming gradient. A partial operand must be floating (or complex), and so
 must the result: ``_to_copy`` or ``copy_`` to an integer or bool type rounds, so it never keeps
 P. A scalar added to a partial tensor (``P + 1``) is not linear: it would be added once per
 rank, so that input is boxed first, as it is for every other (nonlinear) op.
+
+The groups name schema arguments (``self``, ``other``, ...), not positions among the tensors:
+a Python scalar operand takes no tensor position, and an ``out=`` tensor is not an operand --
+it takes the output's SBP in every candidate, so an out= op writes its own layout.
 """
 from __future__ import annotations
 
@@ -31,6 +36,10 @@ _LINEAR = {
     "addcmul": [("self", "tensor1"), ("self", "tensor2")], "addcmul_": [("self", "tensor1"), ("self", "tensor2")],
     "addcdiv": [("self", "tensor1")], "addcdiv_": [("self", "tensor1")],
     "masked_fill": _SELF, "masked_fill_": _SELF,
+    # activation gradients are linear in the incoming gradient
+    "threshold_backward": [("grad_output",)], "gelu_backward": [("grad_output",)],
+    "silu_backward": [("grad_output",)], "tanh_backward": [("grad_output",)],
+    "sigmoid_backward": [("grad_output",)],
 }
 
 
@@ -83,7 +92,7 @@ def _partial_groups(name: str, op, ts, named: dict) -> list:
     if name in ("copy", "copy_") and not all(_linear_dtype(named[k].dtype) for k in ("self", "src")
                                                if isinstance(named.get(k), torch.Tensor)):
         return []
-    if any(_linear_dtype(t.dtype) is False for t in _written_outs(op, named)):
+    if not all(_linear_dtype(t.dtype) for t in _written_outs(op, named)):
         return []                                   # an out= tensor of an integer type rounds
     position = {id(t): i for i, t in enumerate(ts)}
     groups = []

@@ -157,7 +157,8 @@ _PRIMS = Reduction(dim_arg="dims")
 _register([aten.sum.default], Reduction(dim_arg=None, split_sums=True, linear=True))
 _register([aten.sum.dim_IntList], Reduction(split_sums=True, linear=True))
 _register([prims.sum.default], Reduction(dim_arg="dims", split_sums=True, linear=True))
-_register([aten.nansum.default], Reduction(split_sums=True))   # NaN in one P piece is not NaN in the sum
+# nansum drops NaNs piece by piece: pieces of a partial input need not hold the NaNs of their sum
+_register([aten.nansum.default], Reduction(split_sums=True))
 _register([aten.mean.default], Reduction(dim_arg=None, split_sums=True, linear=True, divides=True))
 _register([aten.mean.dim], Reduction(split_sums=True, linear=True, divides=True))
 
