@@ -23,6 +23,11 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Union
 
 import pytest
+import torch
+
+# One thread per test process: the suite runs two workers on two cores, and a launched job's
+# ranks get OMP_NUM_THREADS=1 likewise (job_env); more threads only spin against each other.
+torch.set_num_threads(1)
 
 COLLECTIVE_TIMEOUT_S = 20
 JOB_TIMEOUT_S = 120

@@ -21,6 +21,24 @@ def set_dispatcher(fn: Callable) -> None:
     GlobalTensor.__torch_dispatch__ = classmethod(fn)
 
 
+def _strides_like(pieces: dict, shape: tuple):
+    """Strides of ``shape`` laid out in the dim order of the pieces (None: contiguous).
+
+    The wrapper reports the memory order its pieces have, as a plain tensor would: a transposed
+    gradient then reads as non-contiguous, so autograd and ``.contiguous()`` treat it as torch
+    does instead of running later ops on strided pieces unawares.
+    """
+    piece = next(iter(pieces.values()), None)
+    if piece is None or piece.dim() != len(shape) or piece.is_contiguous():
+        return None
+    order = sorted(range(piece.dim()), key=lambda d: (-piece.stride(d), d))
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
 def _device(placement: Placement) -> torch.device:
     world = get_world()
     return world.device(placement.type, world.local_ranks[0])
@@ -38,7 +56,7 @@ class GlobalTensor(torch.Tensor):
     def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False, device=None):
         t = torch.Tensor._make_wrapper_subclass(
             cls, layout.shape, dtype=layout.dtype, device=device or _device(layout.placement),
-            requires_grad=requires_grad)
+            requires_grad=requires_grad, strides=_strides_like(pieces, layout.shape))
         t._layout = layout
         t._pieces = pieces
         return t

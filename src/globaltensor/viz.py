@@ -44,7 +44,6 @@ def render_sharding(x, width: int = 72) -> str:
         raise TypeError(f"visualize: expected a global tensor, got {type(x).__name__}")
     if len(layout.shape) not in (1, 2):
         raise ValueError(f"visualize: expected a 1-D or 2-D tensor, got shape {tuple(layout.shape)}")
-    shape = layout.shape if len(layout.shape) == 2 else (1,) + tuple(layout.shape)
     as2d = layout if len(layout.shape) == 2 else None
     rows = _cuts(layout, 0) if as2d else [0, 1]
     cols = _cuts(layout, 1 if as2d else 0)

@@ -3,7 +3,6 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt

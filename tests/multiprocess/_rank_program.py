@@ -11,7 +11,6 @@ the balanced split is re-derived below, and partial-sum pieces are summed with a
 ``torch.distributed.all_reduce``.
 """
 import json
-import sys
 import time
 import traceback
 
@@ -231,8 +230,7 @@ def main():
             section()
         except Exception:
             emit(name, error=traceback.format_exc())
-            traceback.print_exc()
-            sys.exit(1)
+            raise  # uncaught: the rank exits at once, and the launcher ends the job
 
 
 if __name__ == "__main__":

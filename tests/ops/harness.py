@@ -16,7 +16,6 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
-from globaltensor.boxing import Layout
 from globaltensor.ops.dispatch import _decide
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import all_broadcast, as_signature, broadcast, nd_candidates, partial_sum, split

@@ -13,14 +13,6 @@ BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny kernels: one intra-op thread (a busy machine makes OpenMP's spinning cost seconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _qkv(b, h, l, s, e, hk=None, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -12,14 +12,6 @@ CONV, CONV_BWD = aten.convolution.default, aten.convolution_backward.default
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny kernels: one intra-op thread (a busy machine makes OpenMP's spinning cost seconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 # (stride, padding, dilation, transposed, output_padding, groups)
 PLAIN = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
 STRIDED = ([2, 1], [0, 1], [1, 2], False, [0, 0], 1)

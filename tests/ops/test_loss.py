@@ -5,22 +5,12 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from globaltensor.ops.registry import RULES, register_rule
-from globaltensor.ops.rules import loss
 from harness import candidate_signatures, check_candidates, check_layouts
 
 aten = torch.ops.aten
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 NONE, MEAN, SUM = 0, 1, 2
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny kernels: one intra-op thread (a busy machine makes OpenMP's spinning cost seconds)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _targets(n, c, *rest, ignore=-100, seed=0):
@@ -168,37 +158,15 @@ def test_batch_split_mean_moves_only_targets():
         torch.testing.assert_close(xg.grad.full_tensor(), want_grad)
 
 
-# -- loss parallel: the softmax over the split class dim ----------------------------------------
+# -- loss parallel: the softmax over the split class dim (rules/softmax.py) ----------------------------------------
 
 _SOFTMAX = [aten._log_softmax.default, aten._softmax.default]
 _SOFTMAX_BACKWARD = [aten._log_softmax_backward_data.default, aten._softmax_backward_data.default]
 
 
-@pytest.fixture
-def split_softmax():
-    """The softmax rules (nn_activation.py) with loss.py's split-dim candidates and kernels
-    added, as that module would register them; restored afterwards (registering drops the
-    dispatcher's cached decisions both times)."""
-    saved = {op: RULES[op] for op in _SOFTMAX + _SOFTMAX_BACKWARD}
-
-    def extend(op, extra, kernel):
-        rule = saved[op]
-        register_rule(op, lambda *a, **k: list(rule.candidates(*a, **k)) + extra(*a, **k), local=rule.local,
-                      check_shapes=rule.check_shapes, kernel=kernel)
-
-    for op in _SOFTMAX:
-        extend(op, loss.split_softmax_candidates, loss.split_softmax_kernel)
-    for op in _SOFTMAX_BACKWARD:
-        extend(op, loss.split_softmax_backward_candidates, loss.split_softmax_backward_kernel)
-    try:
-        yield
-    finally:
-        for op, rule in saved.items():
-            register_rule(op, rule.candidates, local=rule.local, check_shapes=rule.check_shapes, kernel=rule.kernel)
-
 
 @pytest.mark.parametrize("op", _SOFTMAX)
-def test_split_softmax_candidates(split_softmax, op):
+def test_split_softmax_candidates(op):
     torch.manual_seed(7)
     for shape, dim in (((6, 10), 1), ((7, 5), -1), ((3, 2, 5), 1)):
         x = torch.randn(shape) * 4
@@ -208,7 +176,7 @@ def test_split_softmax_candidates(split_softmax, op):
         check_candidates(backward, torch.randn(shape), y, dim, torch.float32, max_2d=8)
 
 
-def test_split_softmax_low_precision(split_softmax):
+def test_split_softmax_low_precision():
     """16-bit inputs are computed in float32 and rounded once, as the CPU kernels do."""
     x = torch.randn(4, 9) * 3
     check_candidates(aten._log_softmax.default, x.half(), 1, False, placements=("1d",), rtol=1e-3, atol=1e-3)
@@ -218,7 +186,7 @@ def test_split_softmax_low_precision(split_softmax):
 @pytest.mark.parametrize("place,sbp", [([0, 1, 2, 3], (S(1),)), ([[0, 1], [2, 3]], (S(0), S(1))),
                                        ([[0, 1], [2, 3]], (S(1), S(1)))])
 @pytest.mark.parametrize("kw", [{}, {"reduction": "sum", "ignore_index": 4}, {"label_smoothing": 0.1}])
-def test_loss_parallel_cross_entropy(split_softmax, place, sbp, kw):
+def test_loss_parallel_cross_entropy(place, sbp, kw):
     """F.cross_entropy on class-split logits: exact, grad keeps the split, and the traffic is
     O(N * ranks) -- row maxima gathered, row sums all-reduced -- never the N x C logits."""
     torch.manual_seed(8)
@@ -240,7 +208,7 @@ def test_loss_parallel_cross_entropy(split_softmax, place, sbp, kw):
     assert st.bytes_sent * 20 < n * c * 4           # far below the logits
 
 
-def test_split_softmax_extreme_rows(split_softmax):
+def test_split_softmax_extreme_rows():
     """Rows whose maximum sits on another rank, huge logits and -inf entries stay exact."""
     x = torch.randn(5, 12)
     x[0, 11] = 1e4
@@ -252,7 +220,7 @@ def test_split_softmax_extreme_rows(split_softmax):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_loss_parallel_random_layouts(split_softmax, reduction):
+def test_loss_parallel_random_layouts(reduction):
     """With the split softmax in place, cross_entropy stays exact on any layout."""
     torch.manual_seed(9)
     x, t = torch.randn(7, 11), _targets(7, 11)

@@ -57,7 +57,7 @@ def test_view_keeps_split_of_leading_dim_exactly_when_pieces_line_up(b, t, d, me
             assert y.sbp == (S(0),), f"{src} -> {dst}: the split should survive"
             assert stats.bytes_sent == 0
         else:
-            assert y.sbp != (S(0),)
+            assert y.sbp != (S(0),) or stats.bytes_sent > 0, "a split that does not line up needs boxing"
 
 
 @st.composite
@@ -190,7 +190,7 @@ def test_slice_along_split_dim(n, sl, keeps):
         if keeps:
             assert y.sbp == (S(0),) and stats.bytes_sent == 0
         else:
-            assert y.sbp != (S(0),)
+            assert y.sbp != (S(0),) or stats.bytes_sent > 0, "a split that does not line up needs boxing"
 
 
 def test_slice_along_split_dim_2d_placement():

@@ -11,7 +11,7 @@ import torch
 
 from ..comm import stats
 from ..comm.world import World
-from .layout import Layout, intersect, relative, take
+from .layout import intersect, relative, take
 from .plan import Plan, Step
 
 

@@ -1,10 +1,9 @@
 """ProcessWorld: one rank per process over torch.distributed (gloo on cpu, NCCL on cuda).
 
 Initialised from MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK / LOCAL_RANK on first use,
-or taken over from an already-initialised default group. Sub-groups are created lazily by
-their members only (local synchronisation, named by their ranks), cached, and -- because
-every member issues the same collectives in the same order -- created in the same order on
-every member. A failing or timed-out collective raises an error naming the rank and the op.
+or taken over from an already-initialised default group. Sub-groups are created on every
+rank, members or not, in the same order (see :meth:`ProcessWorld.prepare_groups`), and
+cached. A failing or timed-out collective raises an error naming the rank and the op.
 """
 from __future__ import annotations
 
@@ -27,6 +26,30 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def collective_timeout() -> timedelta:
     """``GT_COLLECTIVE_TIMEOUT`` seconds (default 300): how long a collective may wait for peers."""
     return timedelta(seconds=float(os.environ.get("GT_COLLECTIVE_TIMEOUT", "300")))
+
+
+def exit_barrier_timeout() -> timedelta:
+    """``GT_EXIT_BARRIER_TIMEOUT`` seconds (default 10): how long a rank at exit waits for the others."""
+    return timedelta(seconds=float(os.environ.get("GT_EXIT_BARRIER_TIMEOUT", "10")))
+
+
+def _exit_barrier(size: int) -> None:
+    """Wait, for a bounded time, until every rank has reached its exit (through the store).
+
+    Bounded because a rank leaving through ``sys.exit(1)`` looks like a clean exit here (no
+    hook sees a SystemExit's code) while its peers may be blocked in a collective waiting for
+    it: an unbounded barrier would hold the failure back for a whole collective timeout, and
+    the launcher would learn of it only then. (gloo's ``monitored_barrier`` bounds only rank
+    0's wait, so it does not help here.)
+    """
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        dist.barrier()
+        return
+    store = get_store()
+    if store.add("globaltensor/exit/arrived", 1) == size:
+        store.set("globaltensor/exit/all", "1")
+    store.wait(["globaltensor/exit/all"], exit_barrier_timeout())
 
 
 def _note_uncaught_errors(world) -> None:
@@ -77,7 +100,10 @@ class ProcessWorld(World):
         if destroy and dist.is_initialized():
             try:
                 if not self._failed:
-                    dist.barrier()  # a peer may still be receiving what this rank sent last
+                    _exit_barrier(self.size)  # a peer may still be receiving what this rank sent last
+            except Exception:
+                pass
+            try:
                 dist.destroy_process_group()
             except Exception:
                 pass

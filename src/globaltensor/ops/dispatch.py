@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 from torch._decomp import decomposition_table
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..boxing import Layout, plan_boxing
 from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
@@ -160,9 +160,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
 
     # a candidate taking the inputs as they are costs nothing: no need to plan the others
     exact = [c for c in candidates if all(nd == lay.nd_sbp for lay, nd in zip(in_layouts, c.inputs))]
-    if exact:
-        candidates, cost = exact, lambda c: (0, 0)
-    chosen = choose(candidates, cost)
+    chosen = choose(exact, lambda c: (0, 0)) if exact else choose(candidates, cost)
     targets = [_intern(lay.with_sbp(nd)) for lay, nd in zip(in_layouts, chosen.inputs)]
     out_layouts = [_intern(Layout(shape, dtype, placement, nd)) for (shape, dtype), nd in zip(out_meta, chosen.outputs)]
     run = LocalRun(func, positions, targets, kind, out_layouts, rule.local,

@@ -6,8 +6,6 @@ process holds) is worked out when the decision is made.
 """
 from __future__ import annotations
 
-import torch
-
 from ..comm import get_world
 from ..tensor import GlobalTensor, box, replicate
 from .args import Substitution, get

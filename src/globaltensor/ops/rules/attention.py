@@ -33,34 +33,14 @@ import math
 import torch
 
 from ..registry import aten, register_rule
-from .common import B, P, S, sig
+from .common import B, P, S, bind, call_args, sig
 
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-def _bound(func, args, kwargs) -> dict:
-    out = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-        else:
-            out[a.name] = None
-    return out
 
 
-def _call_args(func, named: dict) -> tuple:
-    args, kwargs = [], {}
-    for a in func._schema.arguments:
-        if a.kwarg_only:
-            kwargs[a.name] = named[a.name]
-        else:
-            args.append(named[a.name])
-    return tuple(args), kwargs
 
 
 def _mask(mask, d) -> list:
@@ -113,21 +93,21 @@ def _causal_rows(query_layout, rank, query, key):
 
 def _local(func, q_index):
     def local(rank, ins, outs, *args, **kwargs):
-        n = _bound(func, args, kwargs)
+        n = bind(func, args, kwargs)
         if not n["is_causal"]:
             return args, kwargs
         mask = _causal_rows(ins[q_index], rank, n["query"], n["key"])
         if mask is None:
             return args, kwargs
         n["is_causal"], n["attn_mask"] = False, mask
-        return _call_args(func, n)
+        return call_args(func, n)
     return local
 
 
 def _forward_kernel(func, args, kwargs, ins, outs, calls):
     results = {}
     for r, (a, kw) in calls.items():
-        q = _bound(func, a, kw)["query"]
+        q = bind(func, a, kw)["query"]
         if q.shape[1] == 0 or q.shape[2] == 0 or q.shape[0] == 0:
             results[r] = tuple(torch.empty(o.piece_shape(r), dtype=o.dtype, device=q.device) for o in outs)
         else:
@@ -138,7 +118,7 @@ def _forward_kernel(func, args, kwargs, ins, outs, calls):
 def _backward_kernel(func, args, kwargs, ins, outs, calls):
     results = {}
     for r, (a, kw) in calls.items():
-        n = _bound(func, a, kw)
+        n = bind(func, a, kw)
         q, k, v = n["query"], n["key"], n["value"]
         if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
             # no rows here: grad_q is empty, grad_k / grad_v (whole or empty pieces) are zero

@@ -29,3 +29,38 @@ def each_dim_kept(x: torch.Tensor, n_out: int = 1, linear: bool = False, skip=()
     if linear:
         out.append(sig([P], [P] * n_out))
     return out
+
+
+def bind(op, args, kwargs) -> dict:
+    """The op's arguments by schema name, defaults filled in (None where there is no default)."""
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out
+
+
+def call_args(op, named: dict) -> tuple:
+    """``(args, kwargs)`` for ``op`` from arguments by name (keyword-only ones as keywords)."""
+    args, kwargs = [], {}
+    for a in op._schema.arguments:
+        if a.kwarg_only:
+            kwargs[a.name] = named[a.name]
+        else:
+            args.append(named[a.name])
+    return tuple(args), kwargs
+
+
+def with_arg(op, args, kwargs, name, value) -> tuple:
+    """``(args, kwargs)`` with argument ``name`` set to ``value``, wherever the caller put it."""
+    names = [a.name for a in op._schema.arguments]
+    i = names.index(name)
+    if i < len(args) and not op._schema.arguments[i].kwarg_only:
+        args = tuple(args[:i]) + (value,) + tuple(args[i + 1:])
+    else:
+        kwargs = dict(kwargs, **{name: value})
+    return args, kwargs

@@ -37,24 +37,12 @@ import math
 import torch
 
 from ..registry import aten, register_rule
-from .common import B, P, S, sig
+from .common import B, P, S, bind, sig
 
 _FWD = aten.convolution.default
 _BWD = aten.convolution_backward.default
 
 
-def _bound(func, args, kwargs) -> dict:
-    out = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-        else:
-            out[a.name] = None
-    return out
 
 
 def _weight_dims(transposed: bool) -> tuple:
@@ -77,7 +65,7 @@ def _conv_candidates(input, weight, bias, stride, padding, dilation, transposed,
 def _conv_kernel(func, args, kwargs, ins, outs, calls):
     results = {}
     for r, (a, kw) in calls.items():
-        n = _bound(func, a, kw)
+        n = bind(func, a, kw)
         x, w, bias = n["input"], n["weight"], n["bias"]
         shape = outs[0].piece_shape(r)
         if math.prod(shape) == 0:
@@ -106,7 +94,7 @@ def _backward_candidates(grad_output, input, weight, bias_sizes, stride, padding
 
 def _backward_local(rank, ins, outs, *args, **kwargs):
     """``bias_sizes`` is the rank's own number of output channels."""
-    n = _bound(_BWD, args, kwargs)
+    n = bind(_BWD, args, kwargs)
     sizes = n["bias_sizes"]
     channels = n["grad_output"].shape[1]
     if sizes is None or list(sizes) == [channels]:
@@ -122,7 +110,7 @@ def _backward_local(rank, ins, outs, *args, **kwargs):
 def _backward_kernel(func, args, kwargs, ins, outs, calls):
     results = {}
     for r, (a, kw) in calls.items():
-        n = _bound(func, a, kw)
+        n = bind(func, a, kw)
         g, x, w = n["grad_output"], n["input"], n["weight"]
         if g.numel() and x.numel() and w.numel():
             results[r] = func(*a, **kw)

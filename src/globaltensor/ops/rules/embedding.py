@@ -29,11 +29,8 @@ its row is zero instead.
 """
 from __future__ import annotations
 
-import torch
-
 from ..registry import aten, register_rule
-from .common import B, P, S, sig
-from .nn_activation import bound
+from .common import B, P, S, bind, sig
 
 
 def _local_padding(padding_idx: int, lo: int, n: int) -> int:
@@ -54,7 +51,7 @@ def _embedding_kernel(func, args, kwargs, ins, outs, calls):
         if (lo, n) == (0, vocab):
             results[r] = func(*ra, **rkw)
             continue
-        a = bound(func, ra, rkw)
+        a = bind(func, ra, rkw)
         weight, ids = a["weight"], a["indices"]
         inside = (ids >= lo) & (ids < lo + n)
         if n == 0:
@@ -84,7 +81,7 @@ def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
         if (lo, n) == (0, vocab):
             results[r] = func(*ra, **rkw)
             continue
-        a = bound(func, ra, rkw)
+        a = bind(func, ra, rkw)
         grad, ids = a["grad_output"], a["indices"]
         inside = ((ids >= lo) & (ids < lo + n)).reshape(-1)
         rows = grad.reshape(-1, grad.shape[-1])[inside]

@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import aten, register_rule
-from .common import B, P, S, norm_dim, sig
-from .view import schema_args
+from .common import B, P, S, bind, norm_dim, sig
 
 
 class _Advanced:
@@ -99,7 +98,7 @@ def _index(x, indices):
 
 
 def _index_put(*args, **kwargs):
-    a = schema_args(aten.index_put.default, args, kwargs)
+    a = bind(aten.index_put.default, args, kwargs)
     x, indices, values, accumulate = a["self"], a["indices"], a["values"], a["accumulate"]
     adv = _Advanced(x, indices)
     n = len(adv.tensors)
@@ -147,7 +146,7 @@ def _gather(x, dim, index, **kwargs):
 def _scatter(op, adds: bool):
     """scatter-like ``op(self, dim, index, [src | value])``: the result has ``self``'s shape."""
     def rule(*args, **kwargs):
-        a = schema_args(op, args, kwargs)
+        a = bind(op, args, kwargs)
         x, index = a["self"], a["index"]
         src = a.get("src", a.get("source"))
         src = src if isinstance(src, torch.Tensor) else None
@@ -182,7 +181,7 @@ _register_scatter([aten.scatter_add.default, aten.scatter_add_.default], adds=Tr
 
 def _scatter_reduce(op):
     def rule(*args, **kwargs):
-        a = schema_args(op, args, kwargs)
+        a = bind(op, args, kwargs)
         return _scatter(op, adds=a["reduce"] == "sum")(*args, **kwargs)
     return rule
 
@@ -194,7 +193,7 @@ for _op in (aten.scatter_reduce.two, aten.scatter_reduce_.two):
 def _index_into(op, adds: bool):
     """index_add / index_copy / index_fill ``op(self, dim, index, source | value)``."""
     def rule(*args, **kwargs):
-        a = schema_args(op, args, kwargs)
+        a = bind(op, args, kwargs)
         x, index = a["self"], a["index"]
         source = a.get("source")
         tail = [None] if isinstance(source, torch.Tensor) or isinstance(a.get("value"), torch.Tensor) else []

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from .. import rng
 from ..registry import aten, register_rule
-from .common import B, P, S, sig
-from .reduction import schema_args, with_arg
+from .common import B, P, S, bind, sig, with_arg
 
 
 def _like(partial_stays: bool):
@@ -59,7 +58,7 @@ register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_rando
 
 def _new(op):
     def rule(*args, **kwargs):
-        a = schema_args(op, args, kwargs)
+        a = bind(op, args, kwargs)
         x, size = a["self"], tuple(a["size"])
         kept = [sig([S(d)], [S(d)]) for d in range(x.dim())] if size == tuple(x.shape) else []
         return kept + [sig([S(d)], [B]) for d in range(x.dim())] + [sig([P], [B])]
@@ -67,7 +66,7 @@ def _new(op):
     def local(rank, ins, outs, *args, **kwargs):
         shape = list(outs[0].piece_shape(rank))
         args, kwargs = with_arg(op, args, kwargs, "size", shape)
-        if "stride" in schema_args(op, args, kwargs):  # new_empty_strided: the piece's own strides
+        if "stride" in bind(op, args, kwargs):  # new_empty_strided: the piece's own strides
             args, kwargs = with_arg(op, args, kwargs, "stride", _contiguous_strides(shape))
         return args, kwargs
     return rule, local

@@ -1,5 +1,5 @@
 """Losses: ``nll_loss`` / ``nll_loss2d`` (what ``F.cross_entropy`` and ``F.nll_loss`` reach after
-``_log_softmax``), and softmax over a split dim for *loss parallelism*.
+``_log_softmax``), the class dim split included (*loss parallelism*).
 
 ``nll_loss_forward(x [N, C], target [N], weight [C]?, reduction, ignore_index) -> (output, total_weight)``
 and ``nll_loss2d_forward`` (``x [N, C, H, W]``, ``target [N, H, W]``, the same otherwise; 3-D
@@ -36,59 +36,22 @@ for "mean") at each row's target. ``x`` is only read for its shape. Batch split:
 without moving a byte (the forward of "sum" leaves it partial).
 
 Loss parallel: ``F.cross_entropy(logits, target)`` with the logits split along the classes is
-``_log_softmax`` over the split dim, then ``nll_loss_forward`` as above. A softmax over a split
-dim is not one local op: the row maximum and the row sum of exponentials span the ranks. This
-module gives its exact form, :func:`split_softmax_kernel` (and the backward,
-:func:`split_softmax_backward_kernel`): each rank's own row maxima are gathered (``[N, k]``
-numbers for ``k`` ranks along the split), the exponentials are summed locally and all-reduced
-(``N`` numbers), and each rank finishes its own piece -- the ``[N, C]`` logits never move. The
-backward all-reduces one row sum the same way. Unlike a plain kernel these two communicate
-(through ``box``, so the bytes are counted and every process issues the same collectives in
-the same order; a process holding no rank of the placement skips them). The softmax ops'
-rule lives in ``nn_activation.py``; it takes this form by adding
-:func:`split_softmax_candidates` / :func:`split_softmax_backward_candidates` to its candidates
-and the kernels as its ``kernel`` (they run the plain op on each rank wherever the softmax
-dim is not split).
+``_log_softmax`` over the split dim -- exact without moving the logits, see softmax.py -- then
+``nll_loss_forward`` with the class split as above.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...boxing import Layout
-from ...tensor import GlobalTensor, box
 from ..registry import aten, register_rule
-from .common import B, P, S, norm_dim, sig
+from .common import B, P, S, bind, call_args, sig
 
 NONE, MEAN, SUM = 0, 1, 2
 _LOCAL_IGNORE = -100   # the ignore_index of a rank's own call: never one of its (shifted) classes
 
 
-def _bound(func, args, kwargs) -> dict:
-    """The op's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-        else:
-            out[a.name] = None
-    return out
 
 
-def _call_args(func, named: dict) -> tuple:
-    """``(args, kwargs)`` for ``func`` from arguments by name (keyword-only ones as keywords)."""
-    args, kwargs = [], {}
-    for a in func._schema.arguments:
-        if a.kwarg_only:
-            kwargs[a.name] = named[a.name]
-        else:
-            args.append(named[a.name])
-    return tuple(args), kwargs
 
 
 # -- nll_loss ---------------------------------------------------------------------------------
@@ -155,7 +118,7 @@ def _nll_forward_kernel(func, args, kwargs, ins, outs, calls):
     w_layout = ins[2] if len(ins) > 2 else None
     results = {}
     for r, (a, kw) in calls.items():
-        n = _bound(func, a, kw)
+        n = bind(func, a, kw)
         x, target, weight = n["self"], n["target"], n["weight"]
         reduction, ignore_index = n["reduction"], n["ignore_index"]
         if x.dim() < 2:
@@ -199,114 +162,15 @@ def _nll_backward_local(rank, ins, outs, *args, **kwargs):
     if classes is None:
         return args, kwargs
     func = aten.nll_loss_backward.default   # nll_loss2d_backward has the same arguments
-    n = _bound(func, args, kwargs)
+    n = bind(func, args, kwargs)
     n["target"] = _local_targets(n["target"], n["ignore_index"], *classes)
     n["ignore_index"] = _LOCAL_IGNORE
     if n["weight"] is not None:
         n["weight"] = _cut(n["weight"], ins[3].box(rank), x_layout.box(rank), [(0, 1)])
-    return _call_args(func, n)
+    return call_args(func, n)
 
 
 register_rule([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default], _nll_forward_candidates,
               kernel=_nll_forward_kernel)
 register_rule([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default], _nll_backward_candidates,
               local=_nll_backward_local)
-
-
-# -- softmax over a split dim (loss parallel) ------------------------------------------------
-
-def split_softmax_candidates(x, dim, half_to_float=False):
-    """``_softmax`` / ``_log_softmax`` with the softmax dim itself split: ``S(dim) -> S(dim)``
-    (run by :func:`split_softmax_kernel`)."""
-    if x.dim() == 0:
-        return []
-    d = norm_dim(dim, x.dim())
-    return [sig([S(d)], [S(d)])]
-
-
-def split_softmax_backward_candidates(grad_output, output, dim, input_dtype):
-    """``_softmax_backward_data`` / ``_log_softmax_backward_data`` with the dim split:
-    ``S(dim), S(dim) -> S(dim)`` (run by :func:`split_softmax_backward_kernel`)."""
-    if output.dim() == 0:
-        return []
-    d = norm_dim(dim, output.dim())
-    return [sig([S(d), S(d)], [S(d)])]
-
-
-def _split_axes(layout: Layout, dim: int) -> list:
-    return [a for a, v in enumerate(layout.nd_sbp) if v.is_split and v.dim == dim]
-
-
-def _with_axes(nd_sbp: tuple, axes, value) -> tuple:
-    return tuple(value if a in axes else v for a, v in enumerate(nd_sbp))
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _row_total(layout: Layout, dim: int, axes, dtype, pieces: dict) -> dict:
-    """Each rank's keepdim sums along ``dim`` (``pieces``) added up over the ranks that split
-    ``dim``: a partial-sum tensor all-reduced to broadcast on those axes."""
-    shape = tuple(1 if d == dim else n for d, n in enumerate(layout.shape))
-    partial = GlobalTensor(Layout(shape, dtype, layout.placement, _with_axes(layout.nd_sbp, axes, P)), pieces)
-    return box(partial, Layout(shape, dtype, layout.placement, _with_axes(layout.nd_sbp, axes, B)))._pieces
-
-
-def _row_max(layout: Layout, dim: int, axes, dtype, pieces: dict) -> dict:
-    """The maximum along ``dim`` over the whole dim: each rank's own maxima, gathered along the
-    axes that split ``dim`` (one number per rank and row), then reduced locally."""
-    k = math.prod(layout.placement.hierarchy[a] for a in axes)
-    shape = tuple(k if d == dim else n for d, n in enumerate(layout.shape))
-    own = {}
-    for r, x in pieces.items():
-        if x.shape[dim] == 0:
-            own[r] = x.new_full(tuple(1 if d == dim else n for d, n in enumerate(x.shape)), -math.inf)
-        else:
-            own[r] = x.amax(dim, keepdim=True)
-    stacked = GlobalTensor(Layout(shape, dtype, layout.placement, layout.nd_sbp), own)
-    gathered = box(stacked, Layout(shape, dtype, layout.placement, _with_axes(layout.nd_sbp, axes, B)))
-    return {r: g.amax(dim, keepdim=True) for r, g in gathered._pieces.items()}
-
-
-def split_softmax_kernel(func, args, kwargs, ins, outs, calls):
-    """``_softmax`` / ``_log_softmax`` on each held rank; exact when ``dim`` is split."""
-    layout = ins[0]
-    dim = norm_dim(_bound(func, args, kwargs)["dim"], len(layout.shape))
-    axes = _split_axes(layout, dim)
-    if not axes or not layout.shape:
-        return {r: func(*a, **kw) for r, (a, kw) in calls.items()}
-    comp = _compute_dtype(layout.dtype)
-    xs = {r: _bound(func, a, kw)["self"].to(comp) for r, (a, kw) in calls.items()}
-    top = _row_max(layout, dim, axes, comp, xs)
-    shifted = {r: x - top[r] for r, x in xs.items()}
-    exps = {r: s.exp() for r, s in shifted.items()}
-    total = _row_total(layout, dim, axes, comp, {r: e.sum(dim, keepdim=True) for r, e in exps.items()})
-    if func.overloadpacket is aten._log_softmax:
-        out = {r: shifted[r] - total[r].log() for r in xs}
-    else:
-        out = {r: exps[r] / total[r] for r in xs}
-    return {r: o.to(outs[0].dtype) for r, o in out.items()}
-
-
-def split_softmax_backward_kernel(func, args, kwargs, ins, outs, calls):
-    """``_softmax_backward_data`` (``y * (g - sum(g * y))``) and ``_log_softmax_backward_data``
-    (``g - exp(y) * sum(g)``) on each held rank; the row sums are all-reduced when ``dim`` is split."""
-    layout = ins[1]
-    dim = norm_dim(_bound(func, args, kwargs)["dim"], len(layout.shape))
-    axes = _split_axes(layout, dim)
-    if not axes or not layout.shape:
-        return {r: func(*a, **kw) for r, (a, kw) in calls.items()}
-    comp = _compute_dtype(ins[0].dtype)
-    log = func.overloadpacket is aten._log_softmax_backward_data
-    gs, ys = {}, {}
-    for r, (a, kw) in calls.items():
-        n = _bound(func, a, kw)
-        gs[r], ys[r] = n["grad_output"].to(comp), n["output"].to(comp)
-    sums = {r: (gs[r] if log else gs[r] * ys[r]).sum(dim, keepdim=True) for r in gs}
-    total = _row_total(layout, dim, axes, comp, sums)
-    if log:
-        out = {r: gs[r] - ys[r].exp() * total[r] for r in gs}
-    else:
-        out = {r: ys[r] * (gs[r] - total[r]) for r in gs}
-    return {r: o.to(outs[0].dtype) for r, o in out.items()}

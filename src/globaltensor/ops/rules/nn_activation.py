@@ -1,9 +1,4 @@
-"""Softmax family, layer norm, activations and dropout.
-
-softmax / log_softmax normalise each row along ``dim`` by itself, so a split of any other
-dim passes through: ``S(d) -> S(d)``, ``d != dim``. Their backward ops are linear in the
-incoming gradient given the forward output (``g*y - y*sum(g*y)`` and ``g - exp(y)*sum(g)``),
-so a partial gradient stays partial: ``P, B -> P``.
+"""Layer norm, activations and dropout (softmax is in softmax.py).
 
 native_layer_norm normalises over the trailing ``normalized_shape`` dims: a split of a
 leading dim passes through to the output and to mean / rstd (which keep the leading dims),
@@ -38,21 +33,10 @@ import torch
 
 from .. import rng
 from ..registry import aten, register_rule
-from .common import B, P, S, each_dim_kept, norm_dim, sig
+from .common import B, P, S, bind, sig
 from .pointwise import pointwise_candidates
 
 
-def bound(func, args, kwargs) -> dict:
-    """The op's arguments by schema name, defaults filled in."""
-    out = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args):
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
 
 
 def _numel(shape) -> int:
@@ -60,19 +44,6 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
-
-
-# -- softmax / log_softmax -------------------------------------------------------------------
-
-@register_rule([aten._softmax.default, aten._log_softmax.default])
-def _softmax(x, dim, half_to_float):
-    return each_dim_kept(x, skip={norm_dim(dim, x.dim())})
-
-
-@register_rule([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default])
-def _softmax_backward(grad_output, output, dim, input_dtype):
-    dim = norm_dim(dim, output.dim())
-    return [sig([S(d), S(d)], [S(d)]) for d in range(output.dim()) if d != dim] + [sig([P, B], [P])]
 
 
 # -- layer norm ------------------------------------------------------------------------------
@@ -108,7 +79,7 @@ def _native_dropout_candidates(input, p, train):
 
 
 def _native_dropout_kernel(func, args, kwargs, ins, outs, calls):
-    a = bound(func, args, kwargs)
+    a = bind(func, args, kwargs)
     p, train = a["p"], a["train"]
     out_layout, mask_layout = outs
     if train is False or _numel(mask_layout.shape) == 0:
@@ -118,7 +89,7 @@ def _native_dropout_kernel(func, args, kwargs, ins, outs, calls):
     scale = 0.0 if keep_p == 0 else 1.0 / keep_p
     results = {}
     for r, (ra, rkw) in calls.items():
-        x = bound(func, ra, rkw)["input"]
+        x = bind(func, ra, rkw)["input"]
         mask = _uniform(mask_layout, r, offset, x.device) < keep_p
         results[r] = (x.mul(mask).mul_(scale), mask)
     return results
@@ -140,7 +111,7 @@ def _bernoulli_kernel(func, args, kwargs, ins, outs, calls):
     in_place = func._schema.name.endswith("_")
     results = {}
     for r, (ra, rkw) in calls.items():
-        a = bound(func, ra, rkw)
+        a = bind(func, ra, rkw)
         x = a["self"]
         prob = a.get("p", x)
         drawn = (_uniform(layout, r, offset, x.device) < prob).to(x.dtype)

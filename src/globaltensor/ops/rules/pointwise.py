@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import aten, register_rule, register_tag_rule
-from .common import B, P, S, sig, tensors_of
+from .common import B, P, S, bind, sig, tensors_of
 
 # op name -> groups of arguments (by schema name) that may be partial together
 _SELF = [("self",)]
@@ -28,7 +28,7 @@ _LINEAR = {
     "add": [("self", "other")], "add_": [("self", "other")], "sub": [("self", "other")],
     "sub_": [("self", "other")], "rsub": [("self", "other")],
     "mul": [("self",), ("other",)], "mul_": [("self",), ("other",)], "div": _SELF, "div_": _SELF,
-    "neg": _SELF, "neg_": _SELF, "positive": _SELF, "clone": _SELF, "_to_copy": _SELF,
+    "neg": _SELF, "neg_": _SELF, "positive": _SELF, "clone": _SELF, "_to_copy": _SELF, "to": _SELF,
     "copy": [("self", "src")], "copy_": [("self", "src")],
     "alias": _SELF, "detach": _SELF, "lift_fresh": _SELF,
     "real": _SELF, "imag": _SELF, "conj_physical": _SELF, "view_as_real": _SELF,
@@ -68,22 +68,13 @@ def pointwise_candidates(ts, out_ndim: int, out_shape: tuple, partial_groups=(),
     return cands
 
 
-def _arguments(op, args, kwargs) -> dict:
-    """``{name: value}`` of the arguments given."""
-    out = {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-    return out
 
 
 def _partial_groups(name: str, op, ts, named: dict) -> list:
     """The groups of ``_LINEAR[name]`` as positions among the tensors, where they are linear here."""
     if name in ("div", "div_") and named.get("rounding_mode") is not None:
         return []                                   # floor / trunc division is not linear
-    if name == "_to_copy" and not _linear_dtype(named.get("dtype") or ts[0].dtype):
+    if name in ("_to_copy", "to") and not _linear_dtype(named.get("dtype") or ts[0].dtype):
         return []                                   # a cast to an integer or bool type rounds
     if name in ("masked_fill", "masked_fill_"):
         value = named.get("value")
@@ -117,7 +108,7 @@ def _pointwise(func_name: str, op=None):
         shape = _out_shape(ts)
         if op is None or func_name not in _LINEAR:
             return pointwise_candidates(ts, len(shape), shape)
-        named = _arguments(op, args, kwargs)
+        named = bind(op, args, kwargs)
         outs = {id(t) for t in _written_outs(op, named)}
         follow = tuple(i for i, t in enumerate(ts) if id(t) in outs)
         return pointwise_candidates(ts, len(shape), shape, _partial_groups(func_name, op, ts, named), follow)

@@ -32,37 +32,15 @@ from typing import Optional
 import torch
 
 from ..registry import aten, register_rule
-from .common import P, S, norm_dim, sig
+from .common import P, S, bind, norm_dim, sig, with_arg
 
 prims = torch.ops.prims
 
 
 # -- reading an op's arguments by name --------------------------------------------------------
 
-def schema_args(op, args, kwargs) -> dict:
-    """``{name: value}`` for every argument of ``op``'s schema, defaults filled in."""
-    out = {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-        else:
-            out[a.name] = None
-    return out
 
 
-def with_arg(op, args, kwargs, name, value) -> tuple:
-    """``(args, kwargs)`` with argument ``name`` set to ``value``, wherever the caller put it."""
-    names = [a.name for a in op._schema.arguments]
-    i = names.index(name)
-    if i < len(args) and not op._schema.arguments[i].kwarg_only:
-        args = tuple(args[:i]) + (value,) + tuple(args[i + 1:])
-    else:
-        kwargs = dict(kwargs, **{name: value})
-    return args, kwargs
 
 
 # -- the rule ---------------------------------------------------------------------------------
@@ -110,7 +88,7 @@ def _global_count(shape, dims) -> int:
 
 def reduction_candidates(op, spec: Reduction):
     def rule(*args, **kwargs):
-        a = schema_args(op, args, kwargs)
+        a = bind(op, args, kwargs)
         x = a[op._schema.arguments[0].name]
         reduced = reduced_dims(spec, x, a)
         keepdim = bool(a.get("keepdim", False))
@@ -128,7 +106,7 @@ def reduction_candidates(op, spec: Reduction):
 def _mean_local(op, spec: Reduction):
     """Make a rank's ``mean`` of its piece come out as (sum of the piece) / (global count)."""
     def local(rank, ins, outs, *args, **kwargs):
-        a = schema_args(op, args, kwargs)
+        a = bind(op, args, kwargs)
         piece = a[op._schema.arguments[0].name]
         reduced = reduced_dims(spec, piece, a)
         total = _global_count(ins[0].shape, reduced)

@@ -21,20 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..registry import aten, register_rule
-from .common import B, P, S, each_dim_kept, norm_dim, sig
+from .common import B, P, S, bind, each_dim_kept, norm_dim, sig
 
 
-def schema_args(op, args, kwargs) -> dict:
-    """``{name: value}`` for every argument of ``op``'s schema, defaults filled in."""
-    out = {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
 
 
 # -- view / reshape ---------------------------------------------------------------------------
@@ -172,7 +161,7 @@ register_rule(aten.squeeze.default, _squeeze, check_shapes=True)
 # -- slicing -------------------------------------------------------------------------------------
 
 def _slice_args(args, kwargs):
-    a = schema_args(aten.slice.Tensor, (None,) + tuple(args), kwargs)
+    a = bind(aten.slice.Tensor, (None,) + tuple(args), kwargs)
     return a["dim"], a["start"], a["end"], a["step"]
 
 
