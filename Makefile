@@ -7,7 +7,6 @@ TORCH   := torch==2.13.0
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
@@ -20,6 +19,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/boxing.py
+	$(PY) benchmarks/eager_overhead.py
+	$(PY) benchmarks/tp_mlp.py
 
 clean:
 	rm -rf .venv

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import pytest
 import torch
 
+import globaltensor as gt
+
 # One thread per test process: the suite runs two workers on two cores, and a launched job's
 # ranks get OMP_NUM_THREADS=1 likewise (job_env); more threads only spin against each other.
 torch.set_num_threads(1)
@@ -135,3 +137,22 @@ def launch_tools():
 def _launch_fixture():
     """The :func:`launch` function, for tests (module-scoped fixtures included) that take it as a fixture."""
     return launch
+
+
+@pytest.fixture
+def world4():
+    """A 4-rank simulated world for the test."""
+    with gt.simulate(4) as w:
+        yield w
+
+
+@pytest.fixture
+def p1(world4):
+    """Placement of 4 ranks in a row, in a 4-rank simulated world."""
+    return gt.placement("cpu", [0, 1, 2, 3])
+
+
+@pytest.fixture
+def p2(world4):
+    """A 2x2 placement, in a 4-rank simulated world."""
+    return gt.placement("cpu", [[0, 1], [2, 3]])

@@ -15,21 +15,6 @@ from nn_models import MEGATRON_1D, MEGATRON_2D, net
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
 
-@pytest.fixture
-def world():
-    with gt.simulate(4) as w:
-        yield w
-
-
-@pytest.fixture
-def p1(world):
-    return gt.placement("cpu", [0, 1, 2, 3])
-
-
-@pytest.fixture
-def p2(world):
-    return gt.placement("cpu", [[0, 1], [2, 3]])
-
 
 # -- plan helpers ------------------------------------------------------------------------------
 def test_megatron_helpers_are_data():
@@ -216,7 +201,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("layout", ["1d-megatron", "2x2-megatron"])
-def test_optimizers_work_unchanged(world, name, foreach, layout):
+def test_optimizers_work_unchanged(world4, name, foreach, layout):
     placement = gt.placement("cpu", [0, 1, 2, 3] if layout == "1d-megatron" else [[0, 1], [2, 3]])
     plan = MEGATRON_1D if layout == "1d-megatron" else MEGATRON_2D
     batch = B if layout == "1d-megatron" else (S(0), B)

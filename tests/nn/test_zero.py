@@ -14,21 +14,6 @@ from nn_models import MEGATRON_2D, net
 S, B = gt.sbp.split, gt.sbp.broadcast
 
 
-@pytest.fixture
-def world():
-    with gt.simulate(4) as w:
-        yield w
-
-
-@pytest.fixture
-def p1(world):
-    return gt.placement("cpu", [0, 1, 2, 3])
-
-
-@pytest.fixture
-def p2(world):
-    return gt.placement("cpu", [[0, 1], [2, 3]])
-
 
 def test_shard_sbp(p1, p2):
     def layout(shape, placement, sbp):

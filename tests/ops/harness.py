@@ -168,3 +168,16 @@ def _backward(out):
 def _weights_like(o):
     w = torch.linspace(0.5, 1.5, o.numel()).reshape(o.shape)
     return gt.distribute(w, o.placement, tuple(broadcast if v.is_partial else v for v in o.sbp))
+
+
+def check_all(op, *args, placements=("1d", "2x2"), max_2d=12, **kwargs):
+    """``check_candidates``, and every candidate of the rule ran (on the 1-D placement at least)."""
+    n = len(candidate_signatures(op, *args, **kwargs))
+    ran = check_candidates(op, *args, placements=placements, max_2d=max_2d, **kwargs)
+    assert ran >= n, f"{op}: {ran} runs for {n} candidates"
+    return ran
+
+
+def sigs(op, *args, **kwargs):
+    """The rule's candidates for these arguments, as strings."""
+    return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}

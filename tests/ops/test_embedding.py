@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast, partial_sum, split
-from harness import PLACEMENTS, candidate_signatures, check_candidates, check_layouts, make_global
+from harness import PLACEMENTS, check_candidates, check_layouts, make_global, sigs
 
 aten = torch.ops.aten
 S, B, P = split, broadcast, partial_sum
@@ -15,10 +15,6 @@ torch.manual_seed(0)
 
 # (vocab, dim, indices shape, padding_idx): even, uneven, a vocabulary / dims smaller than 4 ranks
 CASES = [(12, 8, (4, 6), -1), (13, 5, (2, 3, 5), 2), (3, 2, (7,), -1), (10, 3, (3, 2), 9)]
-
-
-def sigs_of(op, *args) -> set:
-    return {repr(s) for s in candidate_signatures(op, *args)}
 
 
 def _ids(vocab, shape, padding_idx):
@@ -32,7 +28,7 @@ def _ids(vocab, shape, padding_idx):
 def test_embedding_candidates(vocab, dim, shape, padding_idx):
     w, ids = torch.randn(vocab, dim), _ids(vocab, shape, padding_idx)
     n = len(shape)
-    assert sigs_of(aten.embedding.default, w, ids, padding_idx) == (
+    assert sigs(aten.embedding.default, w, ids, padding_idx) == (
         {f"B, S({d}) -> S({d})" for d in range(n)} | {f"S(1), B -> S({n})", "S(0), B -> P", "P, B -> P"})
     assert check_candidates(aten.embedding.default, w, ids, padding_idx) >= n + 3
 
@@ -48,7 +44,7 @@ def test_embedding_dense_backward_candidates(vocab, dim, shape, padding_idx, fre
     want = {f"S({n}), B -> S(1)", "B, B -> S(0)", "P, B -> P"}
     if not freq:  # split indices would count frequencies locally
         want |= {f"S({d}), S({d}) -> P" for d in range(n)}
-    assert sigs_of(aten.embedding_dense_backward.default, *args) == want
+    assert sigs(aten.embedding_dense_backward.default, *args) == want
     assert check_candidates(aten.embedding_dense_backward.default, *args) >= len(want)
 
 

@@ -8,17 +8,13 @@ import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, candidate_signatures, check_candidates, check_layouts, make_global
+from harness import PLACEMENTS, check_candidates, check_layouts, make_global, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
 
 X3 = torch.randn(7, 5, 3)
 X2 = torch.randn(7, 5)
-
-
-def sigs(op, *args, **kwargs):
-    return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
 
 
 def one_d(t, sbp, seed=0):

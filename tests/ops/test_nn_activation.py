@@ -9,15 +9,11 @@ import globaltensor as gt
 from globaltensor.ops import rng
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import broadcast, partial_sum, split
-from harness import PLACEMENTS, candidate_signatures, check_candidates, check_layouts, make_global
+from harness import PLACEMENTS, check_candidates, check_layouts, make_global, sigs
 
 aten = torch.ops.aten
 S, B, P = split, broadcast, partial_sum
 torch.manual_seed(0)
-
-
-def sigs_of(op, *args, **kwargs) -> set:
-    return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
 
 
 # -- softmax / log_softmax -------------------------------------------------------------------
@@ -26,8 +22,7 @@ def sigs_of(op, *args, **kwargs) -> set:
 @pytest.mark.parametrize("op", [aten._softmax.default, aten._log_softmax.default])
 def test_softmax_candidates(op, shape, dim):
     x = torch.randn(shape)
-    d = dim % len(shape)
-    assert sigs_of(op, x, dim, False) == {f"S({k}) -> S({k})" for k in range(len(shape))}, \
+    assert sigs(op, x, dim, False) == {f"S({k}) -> S({k})" for k in range(len(shape))}, \
         "every dim, the softmax dim too (rules/softmax.py)"
     assert check_candidates(op, x, dim, False) >= len(shape)
 
@@ -38,9 +33,9 @@ def test_softmax_candidates(op, shape, dim):
 def test_softmax_backward_candidates(fwd, bwd, shape, dim):
     x, g = torch.randn(shape), torch.randn(shape)
     y = fwd(x, dim)
-    sigs = sigs_of(bwd, g, y, dim, torch.float32)
+    got = sigs(bwd, g, y, dim, torch.float32)
     d = dim % len(shape)
-    assert "P, B -> P" in sigs and f"S({d}), S({d}) -> S({d})" in sigs
+    assert "P, B -> P" in got and f"S({d}), S({d}) -> S({d})" in got
     assert check_candidates(bwd, g, y, dim, torch.float32) >= len(shape) + 1
 
 
@@ -73,7 +68,7 @@ def test_layer_norm_candidates(shape, normalized, affine):
     w, b = (torch.randn(normalized), torch.randn(normalized)) if affine else (None, None)
     lead = len(shape) - len(normalized)
     affine_in = ", B, B" if affine else ""
-    assert sigs_of(aten.native_layer_norm.default, x, normalized, w, b, 1e-5) == {
+    assert sigs(aten.native_layer_norm.default, x, normalized, w, b, 1e-5) == {
         f"S({d}){affine_in} -> S({d}), S({d}), S({d})" for d in range(lead)}
     assert check_candidates(aten.native_layer_norm.default, x, normalized, w, b, 1e-5) >= lead
 
@@ -85,13 +80,13 @@ def test_layer_norm_backward_candidates(shape, normalized, affine):
     _, mean, rstd = aten.native_layer_norm.default(x, normalized, w, b, 1e-5)
     mask = [True, affine, affine]
     args = (g, x, normalized, mean, rstd, w, b, mask)
-    sigs = sigs_of(aten.native_layer_norm_backward.default, *args)
+    got = sigs(aten.native_layer_norm_backward.default, *args)
     lead = len(shape) - len(normalized)
     if affine:
-        assert sigs == {f"S({d}), S({d}), S({d}), S({d}), B, B -> S({d}), P, P" for d in range(lead)} | {
+        assert got == {f"S({d}), S({d}), S({d}), S({d}), B, B -> S({d}), P, P" for d in range(lead)} | {
             "P, B, B, B, B, B -> P, P, P"}
     else:
-        assert sigs == {f"S({d}), S({d}), S({d}), S({d}) -> S({d})" for d in range(lead)} | {"P, B, B, B -> P"}
+        assert got == {f"S({d}), S({d}), S({d}), S({d}) -> S({d})" for d in range(lead)} | {"P, B, B, B -> P"}
     assert check_candidates(aten.native_layer_norm_backward.default, *args) >= lead + 1
 
 
@@ -101,7 +96,7 @@ def test_layer_norm_backward_output_mask_subsets():
     _, mean, rstd = aten.native_layer_norm.default(x, [5], w, b, 1e-5)
     for mask, outs in (([True, False, True], "S(0), P"), ([False, True, False], "P")):
         args = (g, x, [5], mean, rstd, w, b, mask)
-        assert f"S(0), S(0), S(0), S(0), B, B -> {outs}" in sigs_of(aten.native_layer_norm_backward.default, *args)
+        assert f"S(0), S(0), S(0), S(0), B, B -> {outs}" in sigs(aten.native_layer_norm_backward.default, *args)
         check_candidates(aten.native_layer_norm_backward.default, *args)
 
 
@@ -270,8 +265,8 @@ def test_dropout_backward_uses_the_same_mask():
 
 def test_native_dropout_backward_candidates():
     g, mask = torch.randn(6, 5), torch.rand(6, 5) > 0.5
-    sigs = sigs_of(aten.native_dropout_backward.default, g, mask, 2.0)
-    assert {"S(0), S(0) -> S(0)", "S(1), S(1) -> S(1)", "P, B -> P"} <= sigs
+    got = sigs(aten.native_dropout_backward.default, g, mask, 2.0)
+    assert {"S(0), S(0) -> S(0)", "S(1), S(1) -> S(1)", "P, B -> P"} <= got
     assert check_candidates(aten.native_dropout_backward.default, g, mask, 2.0) >= 3
 
 

@@ -7,7 +7,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, candidate_signatures, check_candidates, check_layouts, make_global
+from harness import PLACEMENTS, candidate_signatures, check_all, check_candidates, check_layouts, make_global, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -19,17 +19,6 @@ Y = torch.randn(7, 5)
 def lay(t, sbp, placement="1d", seed=0):
     return make_global(t, PLACEMENTS[placement](), sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
-
-def check_all(op, *args, placements=("1d", "2x2"), max_2d=12, **kwargs):
-    """``check_candidates``, and every candidate of the rule ran (on the 1-D placement at least)."""
-    n = len(candidate_signatures(op, *args, **kwargs))
-    ran = check_candidates(op, *args, placements=placements, max_2d=max_2d, **kwargs)
-    assert ran >= n, f"{op}: {ran} runs for {n} candidates"
-    return ran
-
-
-def sigs(op, *args, **kwargs):
-    return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
 
 
 def has_partial(op, *args, **kwargs):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.sbp import balanced_sizes, broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, candidate_signatures, check_candidates, check_layouts, make_global
+from harness import PLACEMENTS, check_all, check_candidates, check_layouts, make_global, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -23,17 +23,6 @@ def lay(t, sbp, placement="1d", seed=0):
     p = PLACEMENTS[placement]()
     return make_global(t, p, sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
-
-def check_all(op, *args, placements=("1d", "2x2"), max_2d=12, **kwargs):
-    """``check_candidates``, and every candidate of the rule ran (on the 1-D placement at least)."""
-    n = len(candidate_signatures(op, *args, **kwargs))
-    ran = check_candidates(op, *args, placements=placements, max_2d=max_2d, **kwargs)
-    assert ran >= n, f"{op}: {ran} runs for {n} candidates"
-    return ran
-
-
-def sigs(op, *args, **kwargs):
-    return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
 
 
 # -- view / reshape --------------------------------------------------------------------------

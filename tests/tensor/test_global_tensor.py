@@ -7,21 +7,6 @@ import globaltensor as gt
 from globaltensor.sbp import B, P, S
 
 
-@pytest.fixture
-def world4():
-    with gt.simulate(4) as w:
-        yield w
-
-
-@pytest.fixture
-def p1(world4):
-    return gt.placement("cpu", [0, 1, 2, 3])
-
-
-@pytest.fixture
-def p2(world4):
-    return gt.placement("cpu", [[0, 1], [2, 3]])
-
 
 def test_local_tensor_is_each_ranks_piece(p1):
     t = torch.arange(6.0).reshape(2, 3)

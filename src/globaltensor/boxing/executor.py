@@ -44,6 +44,19 @@ def _alone(group, pieces, out) -> bool:
     return True
 
 
+def _groups_here(step: Step, pieces, world, out):
+    """``(group, the group's ranks held here)`` for each group that needs its collective run here;
+    a group of one rank is settled into ``out``, one held nowhere here is only counted."""
+    for g in step.groups:
+        if _alone(g, pieces, out):
+            continue
+        mine = _local(g, world)
+        if mine:
+            yield g, mine
+        else:
+            _skip(step, g)
+
+
 def _box_shape(box) -> tuple:
     return tuple(l for _, l in box)
 
@@ -53,13 +66,7 @@ def _all_gather(step: Step, pieces, world):
         return _all_gather_across(step, pieces, world)
     dim = step.src.nd_sbp[step.axes[0]].dim
     out = {}
-    for g in step.groups:
-        if _alone(g, pieces, out):
-            continue
-        mine = _local(g, world)
-        if not mine:
-            _skip(step, g)
-            continue
+    for g, mine in _groups_here(step, pieces, world, out):
         sizes = [step.src.box(r)[dim][1] for r in g]
         full = _box_shape(step.dst.box(g[0]))
         out.update(world.all_gather(g, {r: pieces[r] for r in mine}, dim, sizes, full, step.src.dtype))
@@ -99,41 +106,23 @@ def _all_gather_across(step: Step, pieces, world):
 def _reduce_scatter(step: Step, pieces, world):
     dim = step.dst.nd_sbp[step.axes[0]].dim
     out = {}
-    for g in step.groups:
-        if _alone(g, pieces, out):
-            continue
-        mine = _local(g, world)
-        if mine:
-            sizes = [step.dst.box(r)[dim][1] for r in g]
-            out.update(world.reduce_scatter(g, {r: pieces[r] for r in mine}, dim, sizes))
-        else:
-            _skip(step, g)
+    for g, mine in _groups_here(step, pieces, world, out):
+        sizes = [step.dst.box(r)[dim][1] for r in g]
+        out.update(world.reduce_scatter(g, {r: pieces[r] for r in mine}, dim, sizes))
     return out
 
 
 def _all_reduce(step: Step, pieces, world):
     out = {}
-    for g in step.groups:
-        if _alone(g, pieces, out):
-            continue
-        mine = _local(g, world)
-        if mine:
-            out.update(world.all_reduce(g, {r: pieces[r] for r in mine}))
-        else:
-            _skip(step, g)
+    for g, mine in _groups_here(step, pieces, world, out):
+        out.update(world.all_reduce(g, {r: pieces[r] for r in mine}))
     return out
 
 
 def _all_to_all(step: Step, pieces, world):
     src, dst = step.src, step.dst
     out = {}
-    for g in step.groups:
-        if _alone(g, pieces, out):
-            continue
-        mine = _local(g, world)
-        if not mine:
-            _skip(step, g)
-            continue
+    for g, mine in _groups_here(step, pieces, world, out):
         blocks = [[intersect(src.box(s), dst.box(d)) for d in g] for s in g]
         zero = (0,) * len(src.shape)
         shapes = [[_box_shape(b) if b else zero for b in row] for row in blocks]
