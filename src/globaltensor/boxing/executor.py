@@ -142,11 +142,35 @@ def _all_to_all(step: Step, pieces, world):
 
 def _assemble(box, parts, dtype, device) -> torch.Tensor:
     """A piece of ``box`` filled from ``(block box, tensor)`` parts that tile it."""
+    whole = _back_to_back(box, parts, dtype, device)
+    if whole is not None:
+        return whole
     out = torch.empty(_box_shape(box), dtype=dtype, device=device)
     for b, t in parts:
         if b is not None and t.numel():
             take(out, relative(b, box)).copy_(t)
     return out
+
+
+def _back_to_back(box, parts, dtype, device):
+    """The piece as a view of the parts' buffer, when two or more parts are row blocks lying back to
+    back in one storage (a process world's all-to-all receive buffer), else None.
+
+    Parts that are views of source pieces (a simulated world hands them over as they are) are
+    separate storages, so they never pass: a piece never aliases another tensor's piece.
+    """
+    filled = sorted(((b, t) for b, t in parts if b is not None and t.numel()), key=lambda bt: bt[0][0][0])
+    if len(filled) < 2 or any(b[1:] != box[1:] for b, _ in filled):
+        return None
+    first = filled[0][1]
+    storage = first.untyped_storage().data_ptr()
+    ptr = first.data_ptr()
+    for _, t in filled:
+        if (not t.is_contiguous() or t.dtype != dtype or t.device != torch.device(device) or
+                t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage):
+            return None
+        ptr += t.numel() * t.element_size()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), _box_shape(box))
 
 
 def _slice(step: Step, pieces, world):

@@ -108,8 +108,8 @@ def match_plan(module: nn.Module, placement: Placement, plan: PlanLike = None, *
 
 def _place(t: torch.Tensor, placement: Placement, nd: tuple) -> GlobalTensor:
     """``t`` laid out as ``nd``, in pieces of its own: ``clone`` so that no piece shares storage with
-    ``t`` or with another rank's piece (boxing may slice views, and a simulated world's broadcast
-    replicas may be one tensor), as in-place optimizer updates need."""
+    ``t`` (the first rank's piece of a broadcast would be ``t`` itself, and boxing may slice views
+    of it): in-place optimizer updates must not write into the module's former tensors."""
     with torch.no_grad():
         if isinstance(t, GlobalTensor):
             return t.detach().to_global(placement, nd).clone()
