@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import globaltensor as gt
 import globaltensor.nn as gnn
 
 
@@ -40,3 +41,20 @@ def net(seed=0, **kw) -> Net:
 
 MEGATRON_1D = gnn.megatron_plan(column=["*.up"], row=["*.down"])
 MEGATRON_2D = gnn.megatron_plan(column=["*.up"], row=["*.down"], axis=1, ndim=2)
+
+
+def train_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps: int) -> None:
+    """``steps`` optimizer steps of ``ref`` on plain inputs and ``m`` on the same inputs as global
+    tensors (``batch_sbp`` on ``placement``); every step's loss must agree."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=gen)
+        loss_ref = ref(x).square().mean()
+        loss = m(gt.distribute(x, placement, batch_sbp)).square().mean()
+        torch.testing.assert_close(loss.full_tensor(), loss_ref, rtol=1e-5, atol=1e-6)
+        loss_ref.backward()
+        loss.backward()
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()

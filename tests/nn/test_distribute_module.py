@@ -10,7 +10,7 @@ from torch import nn
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_1D, MEGATRON_2D, net
+from nn_models import MEGATRON_1D, MEGATRON_2D, net, train_side_by_side
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
@@ -210,18 +210,7 @@ def test_optimizers_work_unchanged(world4, name, foreach, layout):
     gnn.distribute_module(m, placement, plan)
     opt_ref = cls(ref.parameters(), foreach=foreach, **kw)
     opt = cls(m.parameters(), foreach=foreach, **kw)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randn(8, 6, generator=gen)
-        loss_ref = ref(x).square().mean()
-        loss = m(gt.distribute(x, placement, batch)).square().mean()
-        torch.testing.assert_close(loss.full_tensor(), loss_ref, rtol=1e-5, atol=1e-6)
-        loss_ref.backward()
-        loss.backward()
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
+    train_side_by_side(ref, m, opt_ref, opt, placement, batch, steps=3)
     for (pname, prm), want in zip(m.named_parameters(), ref.parameters()):
         assert prm.grad is None
         torch.testing.assert_close(prm.full_tensor(), want, rtol=1e-4, atol=1e-5, msg=pname)

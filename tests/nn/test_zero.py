@@ -9,7 +9,7 @@ import torch
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_2D, net
+from nn_models import MEGATRON_2D, net, train_side_by_side
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 
@@ -35,18 +35,7 @@ def _train(placement, plan, batch_sbp, cls, kw, steps=3, zero_axis=0):
     gnn.distribute_module(m, placement, plan)
     opt_ref = cls(ref.parameters(), **kw)
     opt = gnn.ZeroOptimizer(m.parameters(), cls, axis=zero_axis, **kw)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x = torch.randn(8, 6, generator=gen)
-        loss_ref = ref(x).square().mean()
-        loss = m(gt.distribute(x, placement, batch_sbp)).square().mean()
-        torch.testing.assert_close(loss.full_tensor(), loss_ref, rtol=1e-5, atol=1e-6)
-        loss_ref.backward()
-        loss.backward()
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
+    train_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps)
     for (name, prm), want in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(prm.full_tensor(), want, rtol=1e-4, atol=1e-5, msg=name)
     return m, ref, opt
