@@ -172,3 +172,23 @@ def test_random_like_values():
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.03
     assert abs(n.mean()) < 0.05 and abs(n.std() - 1) < 0.05
     assert not torch.equal(u[:32], u[32:])
+
+
+def test_randint_like_is_sharding_invariant_and_replicas_agree():
+    """Like rand_like: B replicas hold one value, and the logical tensor is the same for every layout."""
+    results = []
+    for n, sbp in ((1, (B,)), (4, (S(0),)), (4, (B,))):
+        gt.manual_seed(11)
+        with gt.simulate(n):
+            p = gt.placement("cpu", list(range(n)))
+            x = torch.ops.aten.randint_like.low_dtype(gt.zeros(9, 7, placement=p, sbp=sbp), 3, 50)
+            pieces = list(x.local_tensors().values())
+            if sbp == (B,):
+                assert all(torch.equal(pieces[0], q) for q in pieces[1:]), "replicas differ"
+            results.append(x.full_tensor())
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert results[0].min() >= 3 and results[0].max() < 50 and len(results[0].unique()) > 20
+    gt.manual_seed(11)
+    with gt.simulate(4):
+        y = torch.randint_like(gt.zeros(9, 7, placement=gt.placement("cpu", [0, 1, 2, 3]), sbp=S(1)), 5)
+        assert y.sbp == (S(1),) and 0 <= y.full_tensor().min() and y.full_tensor().max() < 5

@@ -11,18 +11,20 @@ on every rank is a broadcast). ``zeros_like`` may also keep ``P -> P``: zeros su
 is a broadcast, whatever ``x``'s layout; where ``size`` is ``x``'s own shape the new tensor
 keeps ``x``'s split instead, and ``local`` gives each rank its piece's shape.
 
-``rand_like`` / ``randn_like`` take the same layouts as the other ``*_like`` ops but must not
+``rand_like`` / ``randn_like`` / ``randint_like`` take the same layouts as the other ``*_like`` ops but must not
 run the aten op on the pieces: it would draw from torch's generator, different on every rank
 (broadcast replicas that differ) and blind to where a piece lies. They run through a
 ``kernel`` drawing from the sharding-invariant generator (ops/rng.py) exactly as
 ``gt.rand`` / ``gt.randn`` do: one counter reservation per call, in every process, and each
 rank hashes only the positions of its own piece's box -- so ``torch.rand_like(x)`` is the
-same logical tensor as ``gt.rand(*x.shape, ...)`` after the same seed, for any layout of ``x``.
-A ``generator=`` argument is not supported (its overload has no rule).
+same logical tensor as ``gt.rand(*x.shape, ...)`` after the same seed, for any layout of ``x``
+(``randint_like`` floors ``low + u * (high - low)`` from 53-bit uniforms). A ``generator=`` argument is not supported (its overload has no rule).
 
 ``scalar_tensor`` takes no tensor, so it never reaches the dispatcher of global tensors.
 """
 from __future__ import annotations
+
+import torch
 
 from .. import rng
 from ..registry import aten, register_rule
@@ -54,6 +56,20 @@ def _random_like(draw):
 
 register_rule(aten.rand_like.default, _like(partial_stays=False), kernel=_random_like(rng.uniform))
 register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_random_like(rng.normal))
+
+
+def _randint_like(func, args, kwargs, ins, outs, calls):
+    """Integers in [low, high) from the sharding-invariant uniform (53 bits), floored."""
+    a = bind(func, args, kwargs)
+    low, high = a.get("low") or 0, a["high"]
+
+    def draw(pos, offset, dtype):
+        return (low + torch.floor(rng.uniform(pos, offset, torch.float64) * (high - low))).to(dtype)
+    return _random_like(draw)(func, args, kwargs, ins, outs, calls)
+
+
+register_rule([aten.randint_like.default, aten.randint_like.low_dtype], _like(partial_stays=False),
+              kernel=_randint_like)
 
 
 def _new(op):
