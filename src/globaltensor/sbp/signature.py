@@ -13,7 +13,7 @@ from functools import lru_cache
 from itertools import product
 from typing import Callable, Sequence
 
-from .values import SbpValue, broadcast, partial_sum, split
+from .values import broadcast, partial_sum, split
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,3 @@ def choose(candidates: Sequence[NdSignature], cost: Callable[[NdSignature], tupl
         partials = sum(v.is_partial for nd in c.outputs for v in nd)
         return cost(c) + (partials, -splits, i)
     return min(enumerate(candidates), key=key)[1]
-
-
-def is_sbp(v) -> bool:
-    return isinstance(v, SbpValue)
