@@ -173,6 +173,53 @@ def test_2d_placement_uses_product_signatures(xs, ws, out):
         torch.testing.assert_close(y.full_tensor(), XM @ WM)
 
 
+def test_recorded_inputs_are_charged_their_gradients_way_back():
+    """``sub(P, B)``: without autograd the partial input is reduce-scattered (half an
+    all-reduce); when autograd records it, the split gradient would have to be gathered
+    again, so it is all-reduced and the gradient comes back broadcast, free."""
+    t = torch.randn(8, 6)
+    with gt.simulate(4):
+        y, target = lay(XM, P, seed=3), lay(t, B)
+        with gt.comm_stats() as stats:
+            d = y - target
+        assert d.sbp == (S(0),) and stats.ops() == ["reduce_scatter"]
+        y.requires_grad_()
+        with gt.comm_stats() as stats:
+            d = y - target
+        assert d.sbp == (B,) and stats.ops() == ["all_reduce"]
+        with gt.comm_stats() as stats:
+            (d ** 2).sum().backward()
+        assert stats.ops() == [] and y.grad.sbp == (B,)
+        torch.testing.assert_close(y.grad.full_tensor(), 2 * (XM - t))
+        with torch.no_grad(), gt.comm_stats() as stats:
+            d = y - target                               # nothing recorded: forward cost only
+        assert d.sbp == (S(0),) and stats.ops() == ["reduce_scatter"]
+
+
+def test_tensor_parallel_mlp_step_communicates_as_megatron():
+    """Column- then row-parallel linear layers, a loss on a broadcast target: one all-reduce
+    in the forward, one in the backward (the input's gradient), as the hand-written code."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 6))
+    x, t = torch.randn(8, 6), torch.randn(8, 6)
+    xr = x.clone().requires_grad_()
+    ((model(xr) - t) ** 2).mean().backward()
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        layouts = {"0.weight": S(0), "0.bias": S(0), "2.weight": S(1), "2.bias": B}
+        params = {n: torch.nn.Parameter(gt.distribute(v.detach(), p, layouts[n])) for n, v in model.named_parameters()}
+        xg = x.clone().requires_grad_()
+        with gt.comm_stats() as stats:
+            y = torch.func.functional_call(model, params, (xg.to_global(placement=p, sbp=B),))
+            loss = ((y - t.to_global(placement=p, sbp=B)) ** 2).mean()
+            loss.backward()
+        assert stats.ops() == ["all_reduce", "all_reduce"]
+        torch.testing.assert_close(xg.grad, xr.grad)
+        for n, v in model.named_parameters():
+            assert params[n].grad.sbp == params[n].sbp
+            torch.testing.assert_close(params[n].grad.full_tensor(), v.grad)
+
+
 def test_ties_prefer_no_boxing_then_split_outputs():
     with gt.simulate(4):
         x = lay(XM, B)

@@ -1,9 +1,16 @@
 """``__torch_dispatch__`` for global tensors: rule -> signature -> box inputs -> local op -> wrap.
 
 The decision for a call (chosen signature, target layouts of the inputs, output layouts,
-how to run it) is cached on the op, the inputs' layouts and the non-tensor arguments, so a
-repeated op costs one dictionary look-up before the local ops run. Output meta comes from
-running the op on meta tensors of the global shapes, never on full-size data.
+how to run it) is cached on the op, the inputs' layouts, which of them autograd records and
+the non-tensor arguments, so a repeated op costs one dictionary look-up before the local ops
+run. Output meta comes from the op on meta tensors of the global shapes (out_meta.py), never
+on full-size data.
+
+A signature costs the bytes that box its inputs; when autograd records the op, also the
+bytes that bring each input's gradient back to the input's layout. Without that, an eager
+choice saves in the forward what the backward pays twice: ``sub(P, B)`` would reduce-scatter
+its partial input (half an all-reduce), and the gradient, split, would then be all-gathered
+once for every matmul of the backward that needs it whole.
 
 Ops without a rule are decomposed into core ATen ops where PyTorch has a decomposition;
 only when none applies do they run through the gather-to-broadcast fallback.
@@ -15,16 +22,17 @@ from typing import Callable
 
 import torch
 from torch._decomp import decomposition_table
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from ..boxing import Layout, plan_boxing
 from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
-from ..tensor import GlobalTensor, set_dispatcher
-from .args import Substitution, tensor_positions
+from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
+from .args import Substitution, get, tensor_positions
 from .fallback import run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
 from .local_run import LocalRun
+from .out_meta import output_meta
 from .registry import find_rule, on_rules_changed
 from .viewwrite import wrap as _views_and_writes
 
@@ -32,12 +40,13 @@ _CACHE: dict = {}
 _UNCACHEABLE = object()
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _decomposing = threading.local()
+_grad_enabled = torch.is_grad_enabled
 
 
 def _arg_key(v):
     t = type(v)
     if t is GlobalTensor:
-        return v._layout
+        return (v._layout, True) if v.requires_grad else v._layout
     if t in _SCALARS:
         return (t, v)
     if t is list or t is tuple:
@@ -57,9 +66,9 @@ def _cacheable(key) -> bool:
 
 def dispatch(cls, func, types, args=(), kwargs=None):
     if kwargs:
-        key = (func, tuple(map(_arg_key, args)), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
+        key = (func, _grad_enabled(), tuple(map(_arg_key, args)), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
     else:
-        key = (func, tuple(map(_arg_key, args)))
+        key = (func, _grad_enabled(), tuple(map(_arg_key, args)))
         kwargs = {}
     decision = _CACHE.get(key)
     if decision is None:
@@ -86,8 +95,8 @@ def _placement_of(func, tensors):
     return placement
 
 
-def _meta(v):
-    return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def _out_kind(meta_out) -> str:
@@ -112,15 +121,17 @@ def _decide(func, args, kwargs, only=None) -> Callable:
             return lambda a, k: _run_decomposition(func, decomposed, a, k)
         return _flat(lambda f, s: run_fallback(func, f, s))
     positions = tensor_positions(args, kwargs)
-    meta_args, meta_kwargs = tree_map(_meta, (args, kwargs))
+    if positions is None:
+        return _flat(lambda f, s: run_fallback(func, f, s))
+    tensors = [get(args, kwargs, p) for p in positions]
+    meta_args, meta_kwargs = Substitution(positions)(args, kwargs, [_meta(t) for t in tensors])
     try:
-        meta_out = func(*meta_args, **meta_kwargs)
+        meta_out = output_meta(func, meta_args, meta_kwargs)
     except Exception:
         return _flat(lambda f, s: run_fallback(func, f, s))
     kind = _out_kind(meta_out)
-    if positions is None or kind == "other":
+    if kind == "other":
         return _flat(lambda f, s: run_fallback(func, f, s))
-    tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
     placement = _placement_of(func, tensors)
     outs = [meta_out] if kind == "tensor" else [o for o in meta_out if o is not None] if kind != "none" else []
     per_axis = [as_signature(c) for c in rule.candidates(*meta_args, **meta_kwargs)]
@@ -128,6 +139,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
                 if len(c.inputs) == len(tensors) and len(c.outputs) == len(outs)]
     in_layouts = [t._layout if isinstance(t, GlobalTensor) else
                   Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim) for t in tensors]
+    recorded = [_grad_enabled() and t.requires_grad for t in tensors]
     written = {id(v) for v in written_objects(func, args, kwargs)}
     kept = [k for k, t in enumerate(tensors) if id(t) in written]
     returned = returned_inputs(func, args, kwargs, tensors)
@@ -147,15 +159,18 @@ def _decide(func, args, kwargs, only=None) -> Callable:
             return None
 
     def cost(c):
-        """Bytes to box the inputs; making an input partial also costs the reduction it defers."""
+        """Bytes to box the inputs; making an input partial also costs the reduction it defers,
+        and an input autograd records costs the way back of its gradient."""
         total, steps = 0, 0
-        for lay, nd in zip(in_layouts, c.inputs):
+        for lay, nd, grad in zip(in_layouts, c.inputs, recorded):
             target = lay.with_sbp(nd)
-            plan = plan_boxing(lay, target)
-            total += plan.bytes
-            steps += len(plan.steps)
+            plans = [plan_boxing(lay, target)]
             if any(v.is_partial and not u.is_partial for u, v in zip(lay.nd_sbp, nd)):
-                total += plan_boxing(target, lay).bytes
+                plans.append(plan_boxing(target, lay))
+            if grad:
+                plans.append(plan_boxing(gradient_layout(target), gradient_layout(lay)))
+            total += sum(p.bytes for p in plans)
+            steps += sum(len(p.steps) for p in plans)
         return (total, steps)
 
     # a candidate taking the inputs as they are costs nothing: no need to plan the others

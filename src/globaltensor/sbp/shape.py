@@ -45,3 +45,18 @@ def numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def broadcast_shape(*shapes) -> tuple:
+    """The shape ``shapes`` broadcast to, by torch's rules (sizes of 1 stretch, dims align on
+    the right); a ValueError when two sizes clash. Plain Python: ``torch.broadcast_shapes``
+    takes tens of microseconds, which a new shape's first op would pay several times."""
+    out = [1] * max(map(len, shapes), default=0)
+    for shape in shapes:
+        for i, n in enumerate(shape, len(out) - len(shape)):
+            if n != 1:
+                if out[i] != 1 and out[i] != n:
+                    raise ValueError(f"shapes {[tuple(s) for s in shapes]} do not broadcast: "
+                                     f"sizes {out[i]} and {n} meet at dim {i}")
+                out[i] = n
+    return tuple(out)

@@ -5,6 +5,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ...sbp import Signature, broadcast, partial_sum, split
+from ..args import get, tensor_positions
 
 B, P = broadcast, partial_sum
 S = split
@@ -12,7 +13,10 @@ S = split
 
 def tensors_of(*args, **kwargs) -> list:
     """The tensor arguments in the order the dispatcher counts them."""
-    return [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+    positions = tensor_positions(args, kwargs)
+    if positions is None:                     # nested deeper than one list: pytree finds them
+        return [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+    return [get(args, kwargs, p) for p in positions]
 
 
 def sig(inputs, outputs) -> Signature:
@@ -21,6 +25,15 @@ def sig(inputs, outputs) -> Signature:
 
 def norm_dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
+
+
+def linear_cast(x: torch.Tensor, dtype) -> bool:
+    """Casting partial pieces of ``x`` to ``dtype`` (None: no cast) keeps their sum."""
+    if x.dtype == torch.bool:
+        return False
+    if dtype is None or dtype.is_floating_point or dtype.is_complex:
+        return True
+    return not (x.dtype.is_floating_point or x.dtype.is_complex)
 
 
 def each_dim_kept(x: torch.Tensor, n_out: int = 1, linear: bool = False, skip=()) -> list:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import aten, register_rule, register_tag_rule
+from ...sbp import broadcast_shape
 from .common import B, P, S, bind, sig, tensors_of
 
 # op name -> groups of arguments (by schema name) that may be partial together
@@ -48,7 +49,7 @@ def _linear_dtype(dtype: torch.dtype) -> bool:
 
 
 def _out_shape(ts) -> tuple:
-    return tuple(torch.broadcast_shapes(*[t.shape for t in ts]))
+    return broadcast_shape(*[t.shape for t in ts])
 
 
 def pointwise_candidates(ts, out_ndim: int, out_shape: tuple, partial_groups=(), follow_output=()) -> list:
