@@ -21,15 +21,14 @@ def set_dispatcher(fn: Callable) -> None:
     GlobalTensor.__torch_dispatch__ = classmethod(fn)
 
 
-def _strides_like(pieces: dict, shape: tuple):
-    """Strides of ``shape`` laid out in the dim order of the pieces (None: contiguous).
+def _strides_like(piece: torch.Tensor, shape: tuple):
+    """Strides of ``shape`` laid out in the dim order of ``piece``, a non-contiguous piece.
 
     The wrapper reports the memory order its pieces have, as a plain tensor would: a transposed
     gradient then reads as non-contiguous, so autograd and ``.contiguous()`` treat it as torch
     does instead of running later ops on strided pieces unawares.
     """
-    piece = next(iter(pieces.values()), None)
-    if piece is None or piece.dim() != len(shape) or piece.is_contiguous():
+    if piece.dim() != len(shape):
         return None
     order = sorted(range(piece.dim()), key=lambda d: (-piece.stride(d), d))
     strides, step = [0] * len(shape), 1
@@ -54,9 +53,11 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False, device=None):
+        piece = next(iter(pieces.values()), None)
         t = torch.Tensor._make_wrapper_subclass(
             cls, layout.shape, dtype=layout.dtype, device=device or _device(layout.placement),
-            requires_grad=requires_grad, strides=_strides_like(pieces, layout.shape))
+            requires_grad=requires_grad,
+            strides=None if piece is None or piece.is_contiguous() else _strides_like(piece, layout.shape))
         t._layout = layout
         t._pieces = pieces
         return t

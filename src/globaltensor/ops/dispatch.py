@@ -52,7 +52,7 @@ def _arg_key(v):
     if t is list or t is tuple:
         return (t, tuple(map(_arg_key, v)))
     if isinstance(v, torch.Tensor):
-        return ("T", tuple(v.shape), v.dtype, v.device.type)
+        return ("T", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
     return _UNCACHEABLE
 
 
@@ -64,18 +64,33 @@ def _cacheable(key) -> bool:
     return True
 
 
-def dispatch(cls, func, types, args=(), kwargs=None):
+def _key(func, args, kwargs) -> tuple:
     if kwargs:
-        key = (func, _grad_enabled(), tuple(map(_arg_key, args)), tuple((k, _arg_key(v)) for k, v in kwargs.items()))
-    else:
-        key = (func, _grad_enabled(), tuple(map(_arg_key, args)))
+        return (func, _grad_enabled(), tuple(map(_arg_key, args)),
+                tuple((k, _arg_key(v)) for k, v in kwargs.items()))
+    return (func, _grad_enabled(), tuple(map(_arg_key, args)))
+
+
+def dispatch(cls, func, types, args=(), kwargs=None):
+    key = _key(func, args, kwargs)
+    if not kwargs:
         kwargs = {}
     decision = _CACHE.get(key)
     if decision is None:
         decision = _decide(func, args, kwargs)
         if _cacheable(key):
-            _CACHE[key] = decision
+            _intern_inputs(args, kwargs)
+            _CACHE[_key(func, args, kwargs)] = decision
     return decision(args, kwargs)
+
+
+def _intern_inputs(args, kwargs) -> None:
+    """Give the global inputs the interned layout objects before their key is stored: a later
+    look-up then finds equal layouts by identity, without calling ``Layout.__eq__``."""
+    for v in (*args, *kwargs.values()):
+        for t in (v if type(v) in (list, tuple) else (v,)):
+            if type(t) is GlobalTensor:
+                t._layout = _intern(t._layout)
 
 
 def _flat(run: Callable) -> Callable:
@@ -181,7 +196,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     run = LocalRun(func, positions, targets, kind, out_layouts, rule.local,
                    returned, rule.kernel,
                    [o is not None for o in meta_out] if kind in ("tuple", "list") else None)
-    return _views_and_writes(func, run, positions, targets, kept)
+    return _views_and_writes(func, run.fast(), positions, targets, kept)
 
 
 _LAYOUTS: dict = {}
