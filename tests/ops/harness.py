@@ -7,15 +7,19 @@ run the op with exactly that signature, and compare every output -- value and la
 with the op on the plain tensors.
 ``check_layouts(fn, *args)``: the same for any function, with every input on random
 layouts; ``grad=True`` also compares the inputs' gradients and checks their SBP.
+``no_fallback()``: a block in which an op running through the gather-to-broadcast fallback fails.
 """
 from __future__ import annotations
 
+import contextlib
 import random
+import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
+from globaltensor.ops import fallback
 from globaltensor.ops.dispatch import _decide
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import all_broadcast, as_signature, broadcast, nd_candidates, partial_sum, split
@@ -181,3 +185,16 @@ def check_all(op, *args, placements=("1d", "2x2"), max_2d=12, **kwargs):
 def sigs(op, *args, **kwargs):
     """The rule's candidates for these arguments, as strings."""
     return {repr(s) for s in candidate_signatures(op, *args, **kwargs)}
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Fail on any op that runs through the fallback: its one-time warnings re-armed, as errors."""
+    warned = fallback._warned
+    fallback._warned = set()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="globaltensor: ")
+            yield
+    finally:
+        fallback._warned = warned

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast, partial_sum, split
-from harness import PLACEMENTS, check_candidates, check_layouts, make_global, sigs
+from harness import PLACEMENTS, check_candidates, check_layouts, make_global, no_fallback, sigs
 
 aten = torch.ops.aten
 S, B, P = split, broadcast, partial_sum
@@ -120,4 +120,40 @@ def test_embedding_dim_split_table():
         with gt.comm_stats() as st:
             out.pow(2).sum().backward()
         assert w.grad.sbp == (S(1),) and st.count == 0
+        torch.testing.assert_close(w.grad.full_tensor(), wr.grad)
+
+
+# -- max_norm: embedding_renorm_ ----------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab,dim,shape,padding_idx", CASES)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_embedding_renorm_candidates(vocab, dim, shape, padding_idx, norm_type):
+    w, ids = torch.randn(vocab, dim) * 2, _ids(vocab, shape, padding_idx)
+    assert sigs(aten.embedding_renorm.default, w, ids, 1.0, norm_type) == {"S(0), B -> S(0)"}
+    assert check_candidates(aten.embedding_renorm.default, w, ids, 1.0, norm_type) >= 1
+
+
+@pytest.mark.parametrize("name,nd", [("1d", (S(0),)), ("1d", (S(1),)), ("1d", (B,)),
+                                     ("2x2", (S(0), S(0))), ("2x2", (S(0), S(1))), ("2x2", (B, S(0)))])
+def test_max_norm_renorms_the_weight_in_place_in_its_layout(name, nd):
+    """nn.Embedding(max_norm=...): the looked-up rows are renormed in the weight itself, which keeps
+    its layout; a vocabulary split renorms each row where it lives, moving nothing."""
+    w0 = torch.randn(11, 5) * 2
+    ids = torch.tensor([[0, 10, 3, 3], [7, 5, 10, 2]])
+    wr = w0.clone().requires_grad_(True)
+    want = F.embedding(ids, wr, max_norm=1.0)
+    want.pow(2).sum().backward()
+    with gt.simulate(4):
+        w = make_global(w0.clone(), PLACEMENTS[name](), nd, random.Random(0), requires_grad=True)
+        with no_fallback():
+            with gt.comm_stats() as st:
+                with torch.no_grad():
+                    torch.embedding_renorm_(w.detach(), ids, 1.0, 2.0)
+            out = F.embedding(ids, w, max_norm=1.0)
+            out.pow(2).sum().backward()
+        if all(v in (S(0), B) for v in nd):
+            assert st.bytes_sent == 0
+        assert w.sbp == nd and w.grad.sbp == nd
+        torch.testing.assert_close(w.full_tensor(), wr.detach())
+        torch.testing.assert_close(out.full_tensor(), want)
         torch.testing.assert_close(w.grad.full_tensor(), wr.grad)

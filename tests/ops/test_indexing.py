@@ -8,7 +8,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, check_candidates, check_layouts, make_global, sigs
+from harness import PLACEMENTS, check_candidates, check_layouts, make_global, no_fallback, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -227,3 +227,17 @@ def test_masked_select_and_nonzero_through_fallback():
         x = one_d(X2, S(0))
         m = one_d(mask, S(1))
         torch.testing.assert_close(x[m].full_tensor(), X2[mask])
+
+
+def test_max_min_dim_backward_scatters_without_fallback():
+    """The backward of max(dim) / min(dim) scatters the gradient into zeros (scatter.src): a split
+    of another dim stays, and nothing falls back."""
+    x0 = torch.randn(7, 5, 3)
+    want = torch.autograd.grad((x0.requires_grad_(True).max(1).values * 2 + x0.min(2).values.sum()).sum(), x0)[0]
+    with gt.simulate(4):
+        x = make_global(x0.detach(), PLACEMENTS["2x2"](), (S(0), S(0)), random.Random(0), requires_grad=True)
+        with no_fallback(), gt.comm_stats() as st:
+            (x.max(1).values * 2 + x.min(2).values.sum()).sum().backward()
+        assert x.grad.sbp == (S(0), S(0))
+        assert "all_gather" not in " ".join(st.ops()), st.ops()
+        torch.testing.assert_close(x.grad.full_tensor(), want)

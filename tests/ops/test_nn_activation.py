@@ -9,7 +9,7 @@ import globaltensor as gt
 from globaltensor.ops import rng
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import broadcast, partial_sum, split
-from harness import PLACEMENTS, check_candidates, check_layouts, make_global, sigs
+from harness import PLACEMENTS, check_candidates, check_layouts, make_global, no_fallback, sigs
 
 aten = torch.ops.aten
 S, B, P = split, broadcast, partial_sum
@@ -141,6 +141,64 @@ def test_layer_norm_without_affine_backward_keeps_the_split():
         xr = x0.clone().requires_grad_(True)
         (F.layer_norm(xr, (4, 5)) * 2.0).sum().backward()
         torch.testing.assert_close(x.grad.full_tensor(), xr.grad, rtol=1e-4, atol=1e-5)
+
+
+# -- group norm ------------------------------------------------------------------------------
+
+GN_CASES = [((6, 4, 5), 2, True), ((5, 6, 3, 2), 3, False), ((3, 4, 3), 2, True), ((7, 12), 2, True)]
+
+
+def _gn_args(shape, groups, affine):
+    x = torch.randn(shape)
+    n, c = shape[0], shape[1]
+    hw = x[0, 0].numel()
+    w, b = (torch.randn(c), torch.randn(c)) if affine else (None, None)
+    return x, w, b, (n, c, hw, groups, 1e-5)
+
+
+@pytest.mark.parametrize("shape,groups,affine", GN_CASES)
+def test_group_norm_candidates(shape, groups, affine):
+    x, w, b, rest = _gn_args(shape, groups, affine)
+    affine_in = ", B, B" if affine else ""
+    assert sigs(aten.native_group_norm.default, x, w, b, *rest) == {f"S(0){affine_in} -> S(0), S(0), S(0)"}
+    assert check_candidates(aten.native_group_norm.default, x, w, b, *rest) >= 1
+
+
+@pytest.mark.parametrize("shape,groups,affine", GN_CASES)
+@pytest.mark.parametrize("mask", [[True, True, True], [True, False, False], [False, True, True]], ids=str)
+def test_group_norm_backward_candidates(shape, groups, affine, mask):
+    x, w, b, (n, c, hw, g, eps) = _gn_args(shape, groups, affine)
+    _, mean, rstd = aten.native_group_norm.default(x, w, b, n, c, hw, g, eps)
+    mask = [mask[0], mask[1] and affine, mask[2] and affine]
+    args = (torch.randn(shape), x, mean, rstd, w, n, c, hw, g, mask)
+    outs = [v for v, there in zip(["S(0)", "P", "P"], mask) if there]
+    affine_in = ", B" if affine else ""
+    assert sigs(aten.native_group_norm_backward.default, *args) == {
+        f"S(0), S(0), S(0), S(0){affine_in} -> {', '.join(outs)}", f"P, B, B, B{affine_in} -> {', '.join(['P'] * len(outs))}"}
+    assert check_candidates(aten.native_group_norm_backward.default, *args) >= 2
+
+
+def test_group_norm_random_layouts_with_grad():
+    def gn(x, w, b):
+        return F.group_norm(x, 2, w, b)
+    check_layouts(gn, torch.randn(5, 4, 3, 2), torch.randn(4), torch.randn(4), grad=True, trials=4)
+
+
+def test_group_norm_split_batch_moves_no_activation_and_falls_back_nowhere():
+    x0, w0 = torch.randn(6, 4, 5, 3), torch.randn(4)
+    xr, wr = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    (F.group_norm(xr, 2, wr) * 2.0).sum().backward()
+    with gt.simulate(4):
+        x = make_global(x0, PLACEMENTS["1d"](), (S(0),), random.Random(0), requires_grad=True)
+        w = make_global(w0, PLACEMENTS["1d"](), (B,), random.Random(0), requires_grad=True)
+        with no_fallback(), gt.comm_stats() as st:
+            y = F.group_norm(x, 2, w)
+            (y * 2.0).sum().backward()
+        assert y.sbp == (S(0),) and x.grad.sbp == (S(0),)
+        assert "all_gather" not in " ".join(st.ops()), st.ops()
+        torch.testing.assert_close(y.full_tensor(), F.group_norm(x0, 2, w0))
+        torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+        torch.testing.assert_close(w.grad.full_tensor(), wr.grad)
 
 
 # -- activations -----------------------------------------------------------------------------

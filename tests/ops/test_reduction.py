@@ -7,7 +7,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.sbp import as_signature
-from harness import candidate_signatures, check_candidates, check_layouts
+from harness import candidate_signatures, check_candidates, check_layouts, no_fallback
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -73,6 +73,13 @@ FLOAT_CASES = [
     (aten.prod.default, (), {}),
     (aten.prod.dim_int, (0,), {}),
     (aten.prod.dim_int, (1, True), {"dtype": torch.float64}),
+    (aten.kthvalue.default, (2,), {}),
+    (aten.kthvalue.default, (1, 0, True), {}),
+    (aten.median.dim, (0,), {}),
+    (aten.median.dim, (-1, True), {}),
+    (aten.nanmedian.dim, (1,), {}),
+    (aten.mode.default, (), {}),
+    (aten.mode.default, (0, True), {}),
     (prims.sum.default, ([0],), {}),
     (prims.sum.default, ([0, 1],), {}),
     (prims.amax.default, ([1],), {}),
@@ -99,6 +106,8 @@ INT_CASES = [
     (aten.prod.dim_int, (1,), {}),
     (aten.amax.default, ([0],), {}),
     (aten.argmin.default, (1,), {}),
+    (aten.mode.default, (1,), {}),
+    (aten.kthvalue.default, (2, 0), {}),
 ]
 
 
@@ -182,6 +191,9 @@ def test_candidate_sets():
     # not sums of pieces: a split of a reduced dim has no candidate, partial inputs none either
     assert _sigs(aten.amax.default, x, [1]) == {"S(0) -> S(0)", "S(2) -> S(1)"}
     assert _sigs(aten.max.dim, x, 1) == {"S(0) -> S(0), S(0)", "S(2) -> S(1), S(1)"}
+    assert _sigs(aten.kthvalue.default, x, 2, 1) == {"S(0) -> S(0), S(0)", "S(2) -> S(1), S(1)"}
+    assert _sigs(aten.median.dim, x, 0, True) == {"S(1) -> S(1), S(1)", "S(2) -> S(2), S(2)"}
+    assert _sigs(aten.mode.default, x) == {"S(0) -> S(0), S(0)", "S(1) -> S(1), S(1)"}
     assert _sigs(aten.var.correction, x, [0, 1], keepdim=True) == {"S(2) -> S(2)"}
     assert _sigs(aten.argmax.default, x) == set()
     assert _sigs(aten.all.dims, x.bool(), []) == {"S(0) -> S(0)", "S(1) -> S(1)", "S(2) -> S(2)"}
@@ -280,6 +292,11 @@ COMPOSITIONS = {
     "norm": lambda t: t.norm(),
     "norm_dim1": lambda t: torch.linalg.vector_norm(t, 3, dim=1),
     "prod1": lambda t: t.prod(1),
+    "kthvalue0": lambda t: t.kthvalue(2, 0).values,
+    "median1": lambda t: t.median(1).values,
+    "nanmedian0": lambda t: t.nanmedian(0, keepdim=True).values,
+    "nanmean1": lambda t: t.nanmean(1),
+    "nanmean_all": lambda t: t.nanmean(),
     "softmax_by_hand": lambda t: (t - t.amax(1, keepdim=True)).exp() / (t - t.amax(1, keepdim=True)).exp().sum(
         1, keepdim=True),
 }
@@ -305,3 +322,18 @@ def test_mean_of_uneven_split_differs_from_mean_of_local_means():
         naive = sum(piece.mean(0) for piece in gx.local_tensors().values()) / 4
         assert not torch.allclose(naive, x.mean(0))
         torch.testing.assert_close(gx.mean(0).full_tensor(), x.mean(0))
+
+
+@pytest.mark.parametrize("dim", [0, 1, None])
+def test_nanmean_runs_on_rules(dim):
+    """nanmean is composed by PyTorch of nansum over a count of the non-NaN elements: over a split
+    reduced dim both are partial sums, so it needs no rule of its own and no fallback."""
+    x = _data((7, 5), "float")
+    x[1, 2] = x[6, 0] = x[3, 3] = float("nan")
+    want = x.nanmean() if dim is None else x.nanmean(dim)
+    with gt.simulate(4):
+        for sbp, placement in ((S(0), [0, 1, 2, 3]), (S(1), [0, 1, 2, 3]), ((S(0), S(1)), [[0, 1], [2, 3]])):
+            gx = gt.distribute(x, gt.placement("cpu", placement), sbp)
+            with no_fallback():
+                got = gx.nanmean() if dim is None else gx.nanmean(dim)
+            torch.testing.assert_close(got.full_tensor(), want)

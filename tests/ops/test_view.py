@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.sbp import balanced_sizes, broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, check_all, check_candidates, check_layouts, make_global, sigs
+from harness import PLACEMENTS, check_all, check_candidates, check_layouts, make_global, no_fallback, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -212,6 +212,70 @@ def test_flip():
         assert y.sbp == (S(0),) and stats.bytes_sent == 0
         torch.testing.assert_close(y.full_tensor(), X.flip(1))
         torch.testing.assert_close(x.flip(0, 1).full_tensor(), X.flip(0, 1))
+
+
+def test_constant_pad_nd():
+    assert sigs(aten.constant_pad_nd.default, X3, [1, 2]) == {"S(0) -> S(0)", "S(1) -> S(1)", "P -> P"}
+    assert sigs(aten.constant_pad_nd.default, X3, [0, 0, 2, 0], 1.5) == {"S(0) -> S(0)", "S(2) -> S(2)"}
+    assert check_all(aten.constant_pad_nd.default, X3, [1, 2], max_2d=6) >= 3
+    assert check_all(aten.constant_pad_nd.default, X3, [0, 0, -1, 2], 0.5, max_2d=6) >= 2
+    check_layouts(lambda x: torch.nn.functional.pad(x, (2, 1)) * 2, X, trials=4, grad=True)
+    with gt.simulate(4):
+        x = lay(X, S(0))
+        with no_fallback(), gt.comm_stats() as stats:
+            y = torch.nn.functional.pad(x, (1, 3), value=-1.0)
+        assert y.sbp == (S(0),) and stats.bytes_sent == 0
+        torch.testing.assert_close(y.full_tensor(), torch.nn.functional.pad(X, (1, 3), value=-1.0))
+
+
+@FAST
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       pads=st.lists(st.integers(-1, 2), min_size=2, max_size=6), value=st.sampled_from([0.0, 2.5]))
+def test_constant_pad_nd_any_pads(shape, pads, value):
+    pads = pads[:2 * len(shape)]
+    pads = pads[:len(pads) - len(pads) % 2]
+    x = torch.randn(shape)
+    if any(n + a + b <= 0 for n, a, b in zip(reversed(shape), pads[::2], pads[1::2])):
+        return                                   # cropped to nothing: torch refuses
+    if sigs(aten.constant_pad_nd.default, x, pads, value):
+        check_candidates(aten.constant_pad_nd.default, x, pads, value, placements=("1d",))
+    check_layouts(lambda t: aten.constant_pad_nd.default(t, pads, value), x, trials=2, placements=("1d",))
+
+
+def test_unfold_and_backward():
+    assert sigs(aten.unfold.default, X3, 1, 2, 1) == {"S(0) -> S(0)", "S(2) -> S(2)", "P -> P"}
+    assert check_all(aten.unfold.default, X3, 1, 2, 1, max_2d=6) >= 3
+    assert check_all(aten.unfold.default, X3, -1, 2, 2, max_2d=6) >= 3
+    g = torch.randn(5, 3, 3, 2)                  # the gradient of X3.unfold(1, 2, 1)
+    assert sigs(aten.unfold_backward.default, g, [5, 4, 3], 1, 2, 1) == {"S(0) -> S(0)", "S(2) -> S(2)", "P -> P"}
+    assert check_all(aten.unfold_backward.default, g, [5, 4, 3], 1, 2, 1, max_2d=6) >= 3
+    check_layouts(lambda x: x.unfold(1, 3, 2) * 2, X, trials=4, grad=True)
+    check_layouts(lambda x: x.unfold(0, 2, 1).sum(-1), X3, trials=4, grad=True)
+    with gt.simulate(4):
+        x = lay(X3, S(2)).requires_grad_(True)
+        with no_fallback():
+            y = x.unfold(1, 2, 1)
+            y.sum().backward()
+        assert y.sbp == (S(2),) and x.grad.sbp == (S(2),)
+
+
+def test_diagonal_and_backward():
+    x = torch.randn(4, 5, 3, 6)
+    assert sigs(aten.diagonal.default, x, 0, 1, 3) == {"S(0) -> S(0)", "S(2) -> S(1)", "P -> P"}
+    assert sigs(aten.diagonal.default, x, 1, -1, 0) == {"S(1) -> S(0)", "S(2) -> S(1)", "P -> P"}
+    assert check_all(aten.diagonal.default, x, 0, 1, 3, max_2d=6) >= 3
+    assert check_all(aten.diagonal.default, x, -2, 2, 0, max_2d=6) >= 3
+    g = torch.randn(4, 3, 5)                     # the gradient of x.diagonal(0, 1, 3)
+    assert sigs(aten.diagonal_backward.default, g, [4, 5, 3, 6], 0, 1, 3) == {"S(0) -> S(0)", "S(1) -> S(2)", "P -> P"}
+    assert check_all(aten.diagonal_backward.default, g, [4, 5, 3, 6], 0, 1, 3, max_2d=6) >= 3
+    check_layouts(lambda t: t.diagonal(1, 1, 2) * 2, X3, trials=4, grad=True)
+    check_layouts(lambda t: torch.diagonal(t) + 1, X, trials=4, grad=True)
+    with gt.simulate(4):
+        t = lay(X3, S(0)).requires_grad_(True)
+        with no_fallback(), gt.comm_stats() as stats:
+            y = t.diagonal(0, 1, 2)
+            y.sum().backward()
+        assert y.sbp == (S(0),) and t.grad.sbp == (S(0),) and stats.bytes_sent == 0
 
 
 def test_narrow_chunk_split_unbind_flatten():

@@ -26,6 +26,13 @@ runs the plain op where a rank holds the whole vocabulary.
 
 An id outside ``[0, V)`` raises on one device; under the vocabulary split no rank owns it and
 its row is zero instead.
+
+``embedding_renorm_(weight, indices, max_norm, norm_type)`` (``nn.Embedding(max_norm=...)``)
+scales, in place, each looked-up row whose norm exceeds ``max_norm``. A row's norm is over the
+embedding dim, so only the vocabulary split is exact: ``S(0), B -> S(0)``, each rank renorming
+the rows in its range (the ids shifted by ``-lo``, the others dropped) -- a kernel, as for
+the lookup. The weight keeps its layout: one split along the embedding dim is gathered for
+the functional ``embedding_renorm`` and the result written back into its pieces.
 """
 from __future__ import annotations
 
@@ -91,3 +98,21 @@ def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
 
 
 register_rule(aten.embedding_dense_backward.default, _dense_backward_candidates, kernel=_dense_backward_kernel)
+
+
+def _renorm_kernel(func, args, kwargs, ins, outs, calls):
+    """Each rank renorms the rows of its vocabulary range: the ids inside it, shifted by ``-lo``."""
+    vocab = ins[0].shape[0]
+    results = {}
+    for r, (ra, rkw) in calls.items():
+        a = bind(func, ra, rkw)
+        lo, n = ins[0].box(r)[0]
+        ids = a["indices"]
+        if (lo, n) != (0, vocab):
+            ids = ids[(ids >= lo) & (ids < lo + n)] - lo
+        results[r] = func(a["self"], ids, a["max_norm"], a["norm_type"])
+    return results
+
+
+register_rule([aten.embedding_renorm_.default, aten.embedding_renorm.default], [sig([S(0), B], [S(0)])],
+              kernel=_renorm_kernel)

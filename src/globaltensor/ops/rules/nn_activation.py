@@ -1,4 +1,4 @@
-"""Layer norm, activations and dropout (softmax is in softmax.py).
+"""Layer norm, group norm, activations and dropout (softmax is in softmax.py).
 
 native_layer_norm normalises over the trailing ``normalized_shape`` dims: a split of a
 leading dim passes through to the output and to mean / rstd (which keep the leading dims),
@@ -8,6 +8,12 @@ dim they are partial sums: ``S(d), S(d), S(d), S(d), B, B -> S(d), P, P``. Every
 linear in the incoming gradient: ``P, B, B, B, B, B -> P, P, P``. The outputs are (grad_input,
 grad_weight, grad_bias), each None (no tensor, no slot) where ``output_mask`` leaves it out
 or the weight / bias is absent; the rule asks the op on the meta arguments which are there.
+
+native_group_norm normalises each sample over its group of channels and all of its other
+dims, so only a split of the batch dim passes through: ``S(0), B, B -> S(0), S(0), S(0)``
+(mean and rstd are ``[N, group]``). The op takes the batch size ``N`` as an argument, which
+``local`` replaces by the rank's piece's. native_group_norm_backward is as the layer norm's:
+``S(0), S(0), S(0), S(0), B -> S(0), P, P`` and linear in the incoming gradient.
 
 Activations need nothing here: gelu / relu / silu / tanh / sigmoid carry the ``pointwise``
 tag, and their backward ops (threshold_backward, gelu_backward, silu_backward,
@@ -33,7 +39,7 @@ import torch
 
 from .. import rng
 from ..registry import aten, register_rule
-from .common import B, P, S, bind, sig
+from .common import B, P, S, bind, sig, with_arg
 from .pointwise import pointwise_candidates
 
 
@@ -65,6 +71,32 @@ def _layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias
         cands.append(sig([S(d)] * 4 + affine, [v for v, there in zip(outs, present) if there]))
     cands.append(sig([P, B, B, B] + affine, [P] * sum(present)))
     return cands
+
+
+# -- group norm ------------------------------------------------------------------------------
+
+def _local_batch(op, x_index: int):
+    """Give ``op`` the batch size ``N`` of this rank's piece of its tensor input ``x_index``."""
+    def local(rank, ins, outs, *args, **kwargs):
+        return with_arg(op, args, kwargs, "N", ins[x_index].piece_shape(rank)[0])
+    return local
+
+
+def _group_norm(x, weight, bias, *args, **kwargs):
+    return [sig([S(0)] + [B for t in (weight, bias) if t is not None], [S(0)] * 3)]
+
+
+def _group_norm_backward(grad_out, x, mean, rstd, weight, *args, **kwargs):
+    present = [t is not None for t in aten.native_group_norm_backward.default(
+        grad_out, x, mean, rstd, weight, *args, **kwargs)]
+    affine = [B] if weight is not None else []
+    split = [v for v, there in zip([S(0), P, P], present) if there]
+    return [sig([S(0)] * 4 + affine, split), sig([P, B, B, B] + affine, [P] * sum(present))]
+
+
+register_rule(aten.native_group_norm.default, _group_norm, local=_local_batch(aten.native_group_norm.default, 0))
+register_rule(aten.native_group_norm_backward.default, _group_norm_backward,
+              local=_local_batch(aten.native_group_norm_backward.default, 1))
 
 
 # -- dropout ---------------------------------------------------------------------------------

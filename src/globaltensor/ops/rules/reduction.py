@@ -1,4 +1,5 @@
-"""Reductions: sum, mean, amax/amin, max/min, argmax/argmin, var/std, norms, logsumexp, any/all, prod.
+"""Reductions: sum, mean, amax/amin, max/min, argmax/argmin, var/std, norms, logsumexp, any/all, prod,
+and the order statistics of one dim (kthvalue, median, nanmedian, mode).
 
 Every reduction keeps a split of a dim it does not reduce (renumbered when ``keepdim`` is
 false): each rank reduces whole rows of its own piece, so its result is its piece of the
@@ -8,6 +9,8 @@ A split of a *reduced* dim gives a candidate only where the pieces' results comb
 sum, exactly, for every piece:
 
 - ``sum`` / ``nansum``: ``S(d) -> P`` (the sum of the pieces' sums; an empty piece sums to 0).
+  ``nanmean`` needs no rule: PyTorch composes it (before dispatch) of ``nansum`` divided by
+  a ``sum`` counting the non-NaN elements, both partial on a split reduced dim.
 - ``mean``: ``S(d) -> P`` with each rank dividing by the *global* count. ``mean`` of a piece
   divides by the piece's own count, which differs between uneven pieces, so ``local``
   scales the piece by ``local count / global count`` first (a piece with no elements in the
@@ -15,8 +18,10 @@ sum, exactly, for every piece:
   letting PyTorch decompose mean into ``prims.sum`` / ``prims.div`` -- is exact too, but
   ``prims.div`` has no rule and would gather; the override keeps one local op and a
   partial result with no communication.
-- max/min/argmax/var/std/norm/logsumexp/any/all/prod do not combine by a sum (indices over a
-  split dim are local ones), so a split reduced dim is gathered first: no candidate.
+- max/min/argmax/var/std/norm/logsumexp/any/all/prod and the order statistics do not combine
+  by a sum (indices over a split dim are local ones), so a split reduced dim is gathered
+  first: no candidate. Off the reduced dim their indices are exact too: they count
+  positions along that dim, which every rank holds whole.
 
 Partial inputs pass through only the linear reductions, sum and mean (``P -> P``), and only
 where the dtype cast before reducing is linear too (not float -> int, never bool).
@@ -32,7 +37,7 @@ from typing import Optional
 import torch
 
 from ..registry import aten, register_rule
-from .common import P, S, bind, norm_dim, sig, with_arg
+from .common import P, S, bind, linear_cast, norm_dim, sig, with_arg
 
 prims = torch.ops.prims
 
@@ -70,15 +75,6 @@ def reduced_dims(spec: Reduction, x, a: dict) -> tuple:
     return tuple(sorted({norm_dim(d, x.dim()) for d in dims}))
 
 
-def _linear_cast(x, dtype) -> bool:
-    """Casting partial pieces of ``x`` to ``dtype`` (None: no cast) keeps their sum."""
-    if x.dtype == torch.bool:
-        return False
-    if dtype is None or dtype.is_floating_point or dtype.is_complex:
-        return True
-    return not (x.dtype.is_floating_point or x.dtype.is_complex)
-
-
 def _global_count(shape, dims) -> int:
     n = 1
     for d in dims:
@@ -97,7 +93,7 @@ def reduction_candidates(op, spec: Reduction):
         # mean over no element is NaN on every piece as on one device: no P out of an empty count
         if spec.split_sums and (not spec.divides or _global_count(x.shape, reduced) > 0):
             cands += [sig([S(d)], [P] * spec.n_out) for d in reduced]
-        if spec.linear and _linear_cast(x, a.get("dtype")):
+        if spec.linear and linear_cast(x, a.get("dtype")):
             cands.append(sig([P], [P] * spec.n_out))
         return cands
     return rule
@@ -148,5 +144,6 @@ _register([aten.max.default, aten.min.default, aten.prod.default, aten.any.defau
            aten.var.default, aten.std.default, aten.norm.Scalar, aten.norm.ScalarOpt_dtype], _ALL)
 _register([aten.any.dims, aten.all.dims], Reduction(empty_is_all=False))
 _register([aten.max.dim, aten.min.dim, aten.aminmax.default, aten.var_mean.correction, aten.std_mean.correction,
-           aten.var_mean.dim, aten.std_mean.dim], Reduction(n_out=2))
+           aten.var_mean.dim, aten.std_mean.dim, aten.kthvalue.default, aten.median.dim, aten.nanmedian.dim,
+           aten.mode.default], Reduction(n_out=2))
 _register([prims.amax.default, prims.amin.default, prims.prod.default, prims.var.default], _PRIMS)

@@ -12,7 +12,11 @@ split, say): each rank slices its own piece with the start and end moved into it
 coordinates, and the per-rank check keeps the candidate only where every rank's part is its
 balanced piece of the result. ``squeeze`` removes only dims of global size 1 from a piece,
 never a split dim whose piece happens to have size 1. ``flip`` (not a view, but a shape op)
-keeps the splits of the dims it does not flip.
+keeps the splits of the dims it does not flip, ``constant_pad_nd`` (``F.pad``) those of the
+dims it does not pad (``P -> P`` only when padding with 0), ``unfold`` (sliding windows) those
+of the dims it does not window; ``diagonal`` keeps the splits of the dims it does not take
+the diagonal of. Their backward ops (``unfold_backward``, ``diagonal_backward``) keep the
+same splits, with the input's size rewritten to the rank's piece shape.
 
 Every view is linear, so ``P -> P`` everywhere.
 """
@@ -221,6 +225,48 @@ def _flip(x, dims):
     """A split of a dim not flipped stays (a flipped split dim would need the pieces exchanged)."""
     flipped = {norm_dim(d, x.dim()) for d in dims}
     return each_dim_kept(x, linear=True, skip=flipped)
+
+
+@register_rule(aten.constant_pad_nd.default)
+def _constant_pad(x, pad, value=0):
+    """``pad`` holds (before, after) pairs for the last dims, the last dim first."""
+    padded = {x.dim() - 1 - i // 2 for i, n in enumerate(pad) if n != 0}
+    return each_dim_kept(x, linear=value == 0, skip=padded)
+
+
+@register_rule(aten.unfold.default)
+def _unfold(x, dimension, size, step):
+    return each_dim_kept(x, linear=True, skip={norm_dim(dimension, x.dim())})
+
+
+def _unfold_backward(grad, input_sizes, dim, size, step):
+    dim = norm_dim(dim, len(input_sizes))
+    return [sig([S(d)], [S(d)]) for d in range(len(input_sizes)) if d != dim] + [sig([P], [P])]
+
+
+def _local_input_sizes(rank, ins, outs, grad, input_sizes, *rest, **kwargs):
+    return (grad, list(outs[0].piece_shape(rank))) + rest, kwargs
+
+
+register_rule(aten.unfold_backward.default, _unfold_backward, local=_local_input_sizes)
+
+
+def _diagonal_kept(ndim: int, dim1: int, dim2: int) -> dict:
+    """Dim of the input -> its dim in the diagonal (the two diagonal dims go, one is appended)."""
+    pair = {norm_dim(dim1, ndim), norm_dim(dim2, ndim)}
+    return {d: d - sum(p < d for p in pair) for d in range(ndim) if d not in pair}
+
+
+@register_rule(aten.diagonal.default)
+def _diagonal(x, offset=0, dim1=0, dim2=1):
+    return [sig([S(d)], [S(k)]) for d, k in _diagonal_kept(x.dim(), dim1, dim2).items()] + [sig([P], [P])]
+
+
+def _diagonal_backward(grad, input_sizes, offset, dim1, dim2):
+    return [sig([S(k)], [S(d)]) for d, k in _diagonal_kept(len(input_sizes), dim1, dim2).items()] + [sig([P], [P])]
+
+
+register_rule(aten.diagonal_backward.default, _diagonal_backward, local=_local_input_sizes)
 
 
 # -- joining -----------------------------------------------------------------------------------
