@@ -10,7 +10,7 @@ import globaltensor as gt
 from globaltensor.ops import fallback
 from globaltensor.ops.registry import RULES, find_rule
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, make_global
+from harness import PLACEMENTS, check_layouts, make_global, no_fallback
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -175,3 +175,24 @@ def test_register_rule_as_decorator_with_string_signatures():
             RULES.pop(op, None)
         else:
             RULES[op] = saved
+
+
+F = torch.nn.functional
+COMPOSITE_INSIDE_DECOMPOSITIONS = {
+    # op reached only from inside a Python decomposition: (function, inputs)
+    "log_sigmoid (BCE with logits)": (lambda x, t: F.binary_cross_entropy_with_logits(x, t),
+                                      (torch.randn(8, 6), torch.rand(8, 6))),
+    "__or__ (hardtanh backward)": (lambda x: F.hardtanh(x * 2), (torch.randn(8, 6),)),
+    "__and__ (relu6 backward)": (lambda x: F.relu6(x * 4), (torch.randn(8, 6),)),
+    "narrow (glu)": (lambda x: F.glu(x, dim=1), (torch.randn(8, 6),)),
+    "hardsigmoid backward": (lambda x: F.hardsigmoid(x * 4), (torch.randn(8, 6),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITE_INSIDE_DECOMPOSITIONS))
+def test_composite_ops_inside_decompositions_are_taken_apart(name):
+    """A CompositeImplicitAutograd op met inside a decomposition (below autograd) runs as the ops
+    it is made of, which have rules: equal values and gradients, and nothing falls back."""
+    fn, args = COMPOSITE_INSIDE_DECOMPOSITIONS[name]
+    with no_fallback():
+        check_layouts(fn, *args, grad=True, trials=3)

@@ -12,13 +12,14 @@ choice saves in the forward what the backward pays twice: ``sub(P, B)`` would re
 its partial input (half an all-reduce), and the gradient, split, would then be all-gathered
 once for every matmul of the backward that needs it whole.
 
-Ops without a rule are decomposed into core ATen ops where PyTorch has a decomposition;
-only when none applies do they run through the gather-to-broadcast fallback.
+Ops without a rule are decomposed into core ATen ops where PyTorch has a decomposition (or a
+CompositeImplicitAutograd kernel); only when none applies do they run through the
+gather-to-broadcast fallback.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch._decomp import decomposition_table
@@ -131,7 +132,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
         return _flat(lambda f, s: run_foreach(func, f, s))
     if rule is None:
-        decomposed = decomposition_table.get(func)
+        decomposed = decomposition_table.get(func) or _composite(func)
         if decomposed is not None:
             return lambda a, k: _run_decomposition(func, decomposed, a, k)
         return _flat(lambda f, s: run_fallback(func, f, s))
@@ -230,6 +231,18 @@ def _pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, positions, rule
         if tuple(got) != want:
             return False
     return True
+
+
+def _composite(func) -> Optional[Callable]:
+    """The op's CompositeImplicitAutograd kernel, which calls other ops, when it has one.
+
+    Such ops (``log_sigmoid``, ``narrow``, ``flatten``, ``matmul``, ``__or__``, ...) are normally
+    taken apart above autograd and never reach a tensor subclass; they do reach it from inside a
+    Python decomposition, which runs below autograd (``binary_cross_entropy_with_logits``,
+    ``glu``, the backward of ``hardtanh``)."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return func.decompose
+    return None
 
 
 def _run_decomposition(func, decomposed, args, kwargs):
