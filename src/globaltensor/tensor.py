@@ -49,6 +49,7 @@ _grad_slot = torch._C.TensorBase.grad
 class GlobalTensor(torch.Tensor):
     _layout: Layout
     _pieces: dict
+    _boxed = None   # the ops layer's kept boxed copy (ops/boxed_copy.py); a class default reads fast
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod

@@ -220,6 +220,59 @@ def test_tensor_parallel_mlp_step_communicates_as_megatron():
             torch.testing.assert_close(params[n].grad.full_tensor(), v.grad)
 
 
+F = torch.nn.functional
+SAVES_ITS_INPUT = {
+    "layer_norm": lambda y: F.layer_norm(y, (WM.shape[1],)).pow(2).sum(),
+    "gelu": lambda y: F.gelu(y).sum(),
+    "mse_loss": lambda y: F.mse_loss(y, torch.ones(XM.shape[0], WM.shape[1])),   # a decomposition
+    "silu": lambda y: F.silu(y).sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAVES_ITS_INPUT))
+def test_a_saved_partial_input_is_reduced_once(name):
+    """``f(x @ W)`` with the contraction split: the partial product is all-reduced for ``f`` in
+    the forward; ``f``'s backward, which needs the same input, uses that copy instead of reducing
+    it again (before: a reduce-scatter and three all-to-alls more)."""
+    f = SAVES_ITS_INPUT[name]
+    xr, wr = XM.clone().requires_grad_(), WM.clone().requires_grad_()
+    f(xr @ wr).backward()
+    with gt.simulate(4):
+        x, w = lay(XM, S(1)).requires_grad_(), lay(WM, S(0)).requires_grad_()
+        with gt.comm_stats() as stats:
+            y = x @ w
+            f(y).backward()
+        assert y.sbp == (P,) and stats.ops() == ["all_reduce"], stats.ops()
+        torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+        torch.testing.assert_close(w.grad.full_tensor(), wr.grad)
+
+
+def test_a_kept_copy_is_dropped_when_its_tensor_changes():
+    with gt.simulate(4):
+        x, w = lay(XM, S(1)).requires_grad_(), lay(WM, S(0))
+        y = x @ w
+        F.gelu(y)                                             # y all-reduced, the copy kept on y
+        assert y._boxed is not None
+        with torch.no_grad():
+            y.mul_(2)
+            torch.testing.assert_close(F.gelu(y).full_tensor(), F.gelu(2 * XM @ WM))
+            y.to_local(rank=1).add_(1)                        # a piece written directly counts too
+            torch.testing.assert_close(F.gelu(y).full_tensor(), F.gelu(2 * XM @ WM + 1))
+
+
+def test_leaves_keep_no_boxed_copy():
+    """A parameter gathered for an op is gathered again next time: a kept copy of a sharded
+    parameter would live as long as the parameter."""
+    with gt.simulate(4):
+        w = lay(WM, S(1)).requires_grad_()
+        x = lay(XM, S(1)).requires_grad_()
+        for _ in range(2):
+            with gt.comm_stats() as stats:
+                x @ w
+            assert stats.count == 1
+        assert w._boxed is None
+
+
 def test_ties_prefer_no_boxing_then_split_outputs():
     with gt.simulate(4):
         x = lay(XM, B)

@@ -29,6 +29,7 @@ from ..boxing import Layout, plan_boxing
 from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
 from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
+from .boxed_copy import copy_layout
 from .fallback import run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
@@ -40,13 +41,31 @@ from .viewwrite import wrap as _views_and_writes
 _CACHE: dict = {}
 _UNCACHEABLE = object()
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_decomposing = threading.local()
 _grad_enabled = torch.is_grad_enabled
+
+
+class _Decomposing(threading.local):
+    ops: set = None            # the ops whose decompositions are running
+    recorded: int = 0          # how many of them autograd records
+
+
+_decomposing = _Decomposing()
+
+
+def _recording():
+    """Whether autograd records the op: True / False, or "inside" a decomposition of an op it
+    records -- whose intermediate tensors require no grad, though the op's backward will need
+    its inputs in the layouts the forward chose, so they are costed as recorded."""
+    if _decomposing.recorded:
+        return "inside"
+    return _grad_enabled()
 
 
 def _arg_key(v):
     t = type(v)
     if t is GlobalTensor:
+        if v._boxed is not None:
+            return (v._layout, v.requires_grad, copy_layout(v))
         return (v._layout, True) if v.requires_grad else v._layout
     if t in _SCALARS:
         return (t, v)
@@ -67,9 +86,9 @@ def _cacheable(key) -> bool:
 
 def _key(func, args, kwargs) -> tuple:
     if kwargs:
-        return (func, _grad_enabled(), tuple(map(_arg_key, args)),
+        return (func, _recording(), tuple(map(_arg_key, args)),
                 tuple((k, _arg_key(v)) for k, v in kwargs.items()))
-    return (func, _grad_enabled(), tuple(map(_arg_key, args)))
+    return (func, _recording(), tuple(map(_arg_key, args)))
 
 
 def dispatch(cls, func, types, args=(), kwargs=None):
@@ -155,7 +174,9 @@ def _decide(func, args, kwargs, only=None) -> Callable:
                 if len(c.inputs) == len(tensors) and len(c.outputs) == len(outs)]
     in_layouts = [t._layout if isinstance(t, GlobalTensor) else
                   Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim) for t in tensors]
-    recorded = [_grad_enabled() and t.requires_grad for t in tensors]
+    inside = _recording() == "inside"
+    recorded = [inside or (_grad_enabled() and t.requires_grad) for t in tensors]
+    kept_copies = [copy_layout(t) if type(t) is GlobalTensor else None for t in tensors]
     written = {id(v) for v in written_objects(func, args, kwargs)}
     kept = [k for k, t in enumerate(tensors) if id(t) in written]
     returned = returned_inputs(func, args, kwargs, tensors)
@@ -178,9 +199,11 @@ def _decide(func, args, kwargs, only=None) -> Callable:
         """Bytes to box the inputs; making an input partial also costs the reduction it defers,
         and an input autograd records costs the way back of its gradient."""
         total, steps = 0, 0
-        for lay, nd, grad in zip(in_layouts, c.inputs, recorded):
+        for lay, nd, grad, kept in zip(in_layouts, c.inputs, recorded, kept_copies):
             target = lay.with_sbp(nd)
             plans = [plan_boxing(lay, target)]
+            if kept is not None:                       # a kept boxed copy may be the cheaper start
+                plans = [min(plans[0], plan_boxing(kept, target), key=lambda p: p.bytes)]
             if any(v.is_partial and not u.is_partial for u, v in zip(lay.nd_sbp, nd)):
                 plans.append(plan_boxing(target, lay))
             if grad:
@@ -247,16 +270,20 @@ def _composite(func) -> Optional[Callable]:
 
 def _run_decomposition(func, decomposed, args, kwargs):
     """Dispatch the op's core-ATen decomposition; an op met again inside its own one falls back."""
-    active = getattr(_decomposing, "ops", None)
+    active = _decomposing.ops
     if active is None:
         active = _decomposing.ops = set()
     if func in active:
         return run_fallback(func, *tree_flatten((args, kwargs)))
+    recorded = int(_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
+                                           for v in tree_flatten((args, kwargs))[0]))
     active.add(func)
+    _decomposing.recorded += recorded
     try:
         return decomposed(*args, **kwargs)
     finally:
         active.discard(func)
+        _decomposing.recorded -= recorded
 
 
 set_dispatcher(dispatch)

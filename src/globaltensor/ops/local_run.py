@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..comm import get_world
 from ..tensor import GlobalTensor, box, replicate
 from .args import Substitution, get
+from .boxed_copy import box_input
 
 
 class LocalRun:
@@ -29,6 +30,10 @@ class LocalRun:
         self.returns_input = returns_input
         self.placement = (targets or out_layouts)[0].placement
         self.all_broadcast = [all(v.is_broadcast for v in t.nd_sbp) for t in targets]
+        returns = func._schema.returns
+        # an op whose result may alias an input (``to``, ``contiguous``, views) can hand back the
+        # input tensor itself; then so does this run, as torch does (``x.to(x.dtype) is x``)
+        self.may_return_self = out_kind == "tensor" and bool(returns) and returns[0].alias_info is not None
         self._world = None
 
     def fast(self):
@@ -54,8 +59,20 @@ class LocalRun:
                 for i, v in zip(flat, inputs):
                     a[i] = v._pieces[r]
                 results[r] = call(*a, **kwargs)
+            if self.may_return_self:
+                same = self._same_input(results, inputs)
+                if same is not None:
+                    return same
             return GlobalTensor(out_layout, results, device=self.device)
         return run
+
+    def _same_input(self, results: dict, inputs: list):
+        """The input whose pieces the local op returned as they are, in the output's layout."""
+        for v in inputs:
+            if (type(v) is GlobalTensor and v._layout == self.out_layouts[0]
+                    and results and all(results[r] is v._pieces.get(r) for r in results)):
+                return v
+        return None
 
     def _held(self):
         world = get_world()
@@ -78,7 +95,7 @@ class LocalRun:
                 if v._layout == target:
                     v._layout = target  # the interned equal object: next time an identity check
                 else:
-                    values[n] = box(v, target)
+                    values[n] = box_input(v, target)
         return values
 
     def __call__(self, args, kwargs):
@@ -113,7 +130,8 @@ class LocalRun:
             k = self.returns_input.get(0)
             if k is not None:
                 return inputs[k]
-            return GlobalTensor(self.out_layouts[0], results, device=self.device)
+            same = self._same_input(results, inputs) if self.may_return_self else None
+            return same if same is not None else GlobalTensor(self.out_layouts[0], results, device=self.device)
         if kind == "none":
             return None
         slots = self.out_slots if self.out_slots is not None else [True] * len(self.out_layouts)
