@@ -315,15 +315,22 @@ def _check_device(t: torch.Tensor, placement: Placement) -> None:
 
 
 def distribute(t: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
-    """``t`` is the whole logical tensor (equal on every rank); each rank keeps its own slice."""
+    """``t`` is the whole logical tensor (equal on every rank); each rank keeps its own slice.
+
+    The result owns its memory, as ``torch.tensor`` does: writing into it leaves ``t`` alone
+    (a piece that would be ``t`` itself or a slice of it is copied; only those are)."""
     if not isinstance(t, torch.Tensor) or isinstance(t, GlobalTensor):
         raise TypeError(f"distribute: expected a plain torch.Tensor, got {type(t).__name__}")
     placement = _check_placement(placement)
     nd = as_nd_sbp(sbp, placement.ndim, t.dim(), "distribute(sbp)")
     if t.device.type != placement.type:
         t = t.to(get_world().device(placement.type, get_world().local_ranks[0]))
-    source = _Replicate.apply(t, placement)
-    return source.to_global(placement, nd)
+    out = _Replicate.apply(t, placement).to_global(placement, nd)
+    storage = t.untyped_storage().data_ptr()
+    for r, piece in out._pieces.items():
+        if piece.numel() and piece.untyped_storage().data_ptr() == storage:
+            out._pieces[r] = piece.clone()
+    return out
 
 
 class _Replicate(torch.autograd.Function):

@@ -166,3 +166,16 @@ def test_simulate_is_a_function_and_a_context_manager():
     assert gt.get_world() is outer
     with pytest.raises(ValueError, match="positive number of ranks"):
         gt.simulate(0)
+
+
+@pytest.mark.parametrize("sbp", [B, S(0), S(1), P])
+def test_distribute_owns_its_memory(sbp):
+    """Writing into a distributed tensor leaves the source tensor alone, for every layout."""
+    t = torch.randn(6, 4)
+    before = t.clone()
+    with gt.simulate(4):
+        x = gt.distribute(t, gt.placement("cpu", [0, 1, 2, 3]), sbp)
+        with torch.no_grad():
+            x.add_(1)
+        torch.testing.assert_close(t, before)
+        torch.testing.assert_close(x.full_tensor(), before + 1)
