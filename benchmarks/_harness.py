@@ -105,16 +105,25 @@ def spawn(worker: Callable, nproc: int, *args, timeout: float = 600.0):
 
 
 class Timing(float):
-    """A median time in seconds that also carries the fastest round (``.min``): on a loaded
-    machine the minimum shows the undisturbed cost, the median the typical one."""
+    """A median time in seconds that also carries the fastest round (``.min``) and every round
+    (``.rounds``): on a loaded machine the minimum shows the undisturbed cost, the median the
+    typical one, and the rounds give :func:`paired_ratio`."""
 
-    def __new__(cls, median: float, fastest: float):
+    def __new__(cls, median: float, fastest: float, rounds=()):
         t = super().__new__(cls, median)
         t.min = fastest
+        t.rounds = tuple(rounds)
         return t
 
     def __reduce__(self):
-        return (Timing, (float(self), self.min))
+        return (Timing, (float(self), self.min, self.rounds))
+
+
+def paired_ratio(a: "Timing", b: "Timing") -> float:
+    """The median over rounds of ``a``'s round time over ``b``'s in the same round. Rounds of
+    :func:`timed_many` are interleaved, so a slow spell of the machine hits both sides of a
+    pair: steadier than the ratio of the medians when the machine's speed drifts."""
+    return statistics.median(x / y for x, y in zip(a.rounds, b.rounds))
 
 
 def timed(fn: Callable, *, warmup: int = 3, repeats: int = 7, inner: int = 3, sync: bool = True) -> float:
@@ -148,7 +157,7 @@ def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, 
         t = torch.tensor([rounds[k] for k in names], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         rounds = dict(zip(names, t.tolist()))
-    out = {k: Timing(statistics.median(rounds[k]), min(rounds[k])) for k in names}
+    out = {k: Timing(statistics.median(rounds[k]), min(rounds[k]), rounds[k]) for k in names}
     out.update({k: None for k, f in fns.items() if f is None})
     return out
 
