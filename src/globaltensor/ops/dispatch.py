@@ -12,6 +12,9 @@ choice saves in the forward what the backward pays twice: ``sub(P, B)`` would re
 its partial input (half an all-reduce), and the gradient, split, would then be all-gathered
 once for every matmul of the backward that needs it whole.
 
+In-place ops that change only metadata (``transpose_``, ``squeeze_``) run as their
+out-of-place view op, whose layout the tensor takes (inplace_view.py).
+
 Ops without a rule are decomposed into core ATen ops where PyTorch has a decomposition (or a
 CompositeImplicitAutograd kernel); only when none applies do they run through the
 gather-to-broadcast fallback.
@@ -33,6 +36,7 @@ from .boxed_copy import copy_layout
 from .fallback import run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
+from .inplace_view import is_inplace_view, run_inplace_view
 from .local_run import LocalRun
 from .out_meta import output_meta
 from .registry import find_rule, on_rules_changed
@@ -147,6 +151,8 @@ def _out_kind(meta_out) -> str:
 def _decide(func, args, kwargs, only=None) -> Callable:
     """How to run ``func`` on these arguments. ``only`` (tests) restricts the choice to one
     nd-signature; None comes back when it is not admissible for these arguments."""
+    if is_inplace_view(func):
+        return lambda a, k: run_inplace_view(func, a, k)
     rule = find_rule(func)
     if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
         return _flat(lambda f, s: run_foreach(func, f, s))

@@ -3,6 +3,9 @@
 A candidate signature is admissible only if it leaves every written input's SBP as it is,
 so the op can run on the input's own pieces. When no candidate is, the functional op runs
 and its result is boxed into the written tensor's layout and copied into its pieces.
+
+In-place ops that change only metadata (``transpose_``, ``squeeze_``) are the exception: the
+tensor takes a new layout; inplace_view.py runs them.
 """
 from __future__ import annotations
 

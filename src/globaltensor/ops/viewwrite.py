@@ -9,6 +9,9 @@ out= op writes it, the written value is put back into the base: the base is gath
 view op runs on each replica and the value is copied into that view, and the result is boxed
 back into the base's layout and copied into its pieces -- then on up a chain of views.
 
+A metadata in-place op on such a result (``v = x[1:3]; v.t_()``) adds its out-of-place
+form to the recipe (:func:`rebase`), so later writes into ``v`` still find their place.
+
 Not covered: a write into the *base* after such a view was taken does not reach the view
 (it holds a copy).
 """
@@ -56,6 +59,27 @@ def remember(out, base, func, args, kwargs) -> None:
         for j, o in enumerate(out):
             if isinstance(o, GlobalTensor) and o is not base:
                 o._view_of = (base, func, args, kwargs, j)
+
+
+class _Then:
+    """A copy-view's recipe followed by the out-of-place form of a metadata in-place op."""
+
+    def __init__(self, info, op, rest, kwargs):
+        self.info, self.op, self.rest, self.kwargs = info, op, rest, kwargs
+
+    def __call__(self, piece):
+        base, func, args, kwargs, j = self.info
+        a, kw = tree_map(lambda v: piece if v is base else v, (args, kwargs))
+        view = func(*a, **kw)
+        return self.op(view if j is None else view[j], *self.rest, **self.kwargs)
+
+
+def rebase(view: GlobalTensor, op, rest, kwargs) -> None:
+    """``view`` is about to be changed by ``op(view, *rest, **kwargs)`` in place (``t_`` as
+    ``t``): if it is a copy-view, its recipe now ends with that op."""
+    info = getattr(view, "_view_of", None)
+    if info is not None:
+        view._view_of = (info[0], _Then(info, op, rest, kwargs), (info[0],), {}, None)
 
 
 def propagate(view: GlobalTensor) -> None:

@@ -18,7 +18,9 @@ of the dims it does not window; ``diagonal`` keeps the splits of the dims it doe
 the diagonal of. Their backward ops (``unfold_backward``, ``diagonal_backward``) keep the
 same splits, with the input's size rewritten to the rank's piece shape.
 
-Every view is linear, so ``P -> P`` everywhere.
+Every view is linear, so ``P -> P`` everywhere. The in-place forms that change a tensor's
+metadata (``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_``) take their SBP from these
+rules (ops/inplace_view.py).
 """
 from __future__ import annotations
 
