@@ -69,8 +69,8 @@ class LocalRun:
     def _same_input(self, results: dict, inputs: list):
         """The input whose pieces the local op returned as they are, in the output's layout."""
         for v in inputs:
-            if (type(v) is GlobalTensor and v._layout == self.out_layouts[0]
-                    and results and all(results[r] is v._pieces.get(r) for r in results)):
+            if (type(v) is GlobalTensor and results and all(results[r] is v._pieces.get(r) for r in results)
+                    and v._layout == self.out_layouts[0]):
                 return v
         return None
 
