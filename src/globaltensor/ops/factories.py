@@ -11,7 +11,7 @@ import torch
 from ..boxing import Layout, execute, plan_boxing
 from ..comm import get_world
 from ..placement import Placement
-from ..sbp import as_nd_sbp, broadcast
+from ..sbp import as_nd_sbp, broadcast, numel
 from ..tensor import GlobalTensor
 from . import rng
 
@@ -99,18 +99,11 @@ def _random(name, draw):
         layout = _layout(_shape(size), dtype, placement, sbp, name)
         if not layout.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating dtype, got {layout.dtype}")
-        offset = rng.next_offset(max(1, _numel(layout.shape)))
+        offset = rng.next_offset(max(1, numel(layout.shape)))
         return _build(layout, lambda box, dev: draw(rng.positions(layout.shape, box, dev), offset, layout.dtype),
                       requires_grad)
     factory.__name__ = name
     return factory
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 randn = _random("randn", rng.normal)

@@ -37,19 +37,11 @@ from __future__ import annotations
 
 import torch
 
+from ...sbp import numel
 from .. import rng
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, sig, with_arg
 from .pointwise import pointwise_candidates
-
-
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # -- layer norm ------------------------------------------------------------------------------
@@ -114,9 +106,9 @@ def _native_dropout_kernel(func, args, kwargs, ins, outs, calls):
     a = bind(func, args, kwargs)
     p, train = a["p"], a["train"]
     out_layout, mask_layout = outs
-    if train is False or _numel(mask_layout.shape) == 0:
+    if train is False or numel(mask_layout.shape) == 0:
         return {r: func(*ra, **rkw) for r, (ra, rkw) in calls.items()}
-    offset = rng.next_offset(_numel(mask_layout.shape))
+    offset = rng.next_offset(numel(mask_layout.shape))
     keep_p = 1.0 - p
     scale = 0.0 if keep_p == 0 else 1.0 / keep_p
     results = {}
@@ -139,7 +131,7 @@ def _native_dropout_backward(grad_output, mask, scale):
 def _bernoulli_kernel(func, args, kwargs, ins, outs, calls):
     """``bernoulli(self, p)``: 1 where ``uniform < p`` (``p`` a float, a tensor, or ``self``'s values)."""
     layout = outs[0]
-    offset = rng.next_offset(_numel(layout.shape))
+    offset = rng.next_offset(numel(layout.shape))
     in_place = func._schema.name.endswith("_")
     results = {}
     for r, (ra, rkw) in calls.items():
