@@ -18,6 +18,7 @@ from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, 
 from .inspect import boxing_plan
 from .viz import render_sharding, visualize
 from . import nn
+from .actor_rt import CaptureError, CompileError, CompiledFunction, GraphError, compile
 
 install_tensor_methods()
 
@@ -27,4 +28,5 @@ __all__ = [
     "sbp", "placement", "Placement", "GlobalTensor", "to_global", "distribute", "simulate", "rank", "world_size",
     "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
     "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding", "nn",
+    "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
 ]

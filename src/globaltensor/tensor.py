@@ -44,6 +44,15 @@ def _device(placement: Placement) -> torch.device:
 
 
 _grad_slot = torch._C.TensorBase.grad
+_on_create: Optional[Callable] = None
+
+
+def observe_creation(observer: Optional[Callable]) -> Optional[Callable]:
+    """Call ``observer(t)`` with every GlobalTensor made from now on (None: stop); returns the
+    previous observer. The traced mode learns through it which wrappers a captured call creates."""
+    global _on_create
+    previous, _on_create = _on_create, observer
+    return previous
 
 
 class GlobalTensor(torch.Tensor):
@@ -61,6 +70,8 @@ class GlobalTensor(torch.Tensor):
             strides=None if piece is None or piece.is_contiguous() else _strides_like(piece, layout.shape))
         t._layout = layout
         t._pieces = pieces
+        if _on_create is not None:
+            _on_create(t)
         return t
 
     @classmethod

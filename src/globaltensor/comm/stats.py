@@ -68,6 +68,18 @@ class comm_stats:
                 break
 
 
+class paused:
+    """Within, collectives are not recorded (the traced mode's capture run, whose collectives the
+    compiled run performs and counts again)."""
+
+    def __enter__(self) -> None:
+        self.saved = _active[:]
+        _active.clear()
+
+    def __exit__(self, *exc) -> None:
+        _active[:] = self.saved + _active
+
+
 def record(op: str, group: tuple, bytes_per_rank: Dict[int, int]) -> None:
     if _active:
         rec = CollectiveRecord(op, tuple(group), dict(bytes_per_rank))

@@ -20,6 +20,23 @@ from . import stats
 
 Pieces = Dict[int, torch.Tensor]
 
+_observer = None
+
+
+def observe_collectives(observer) -> object:
+    """Route every collective through ``observer(name, world, args, run)`` (None: stop); returns
+    the previous observer. ``run()`` moves the data; ``getattr(world, name)(*args)`` would run the
+    same collective again, stats included. The traced mode records collectives through this."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
+
+def _run(name: str, world, args: tuple, run):
+    if _observer is None:
+        return run()
+    return _observer(name, world, args, run)
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -60,21 +77,23 @@ class World(ABC):
         """Concatenate the members' pieces (``sizes[i]`` long along ``dim``) into ``full_shape``; all get it."""
         slab = _slab_bytes(full_shape, dim, dtype)
         stats.record("all_gather", group, stats.ring_bytes(group, [s * slab for s in sizes]))
-        return self._all_gather(group, pieces, dim, sizes)
+        return _run("all_gather", self, (group, pieces, dim, sizes, full_shape, dtype),
+                    lambda: self._all_gather(group, pieces, dim, sizes))
 
     def reduce_scatter(self, group: tuple, pieces: Pieces, dim: int, sizes: Sequence[int]) -> Pieces:
         """Sum the members' full tensors; member i keeps the i-th part (``sizes[i]`` long) along ``dim``."""
         t = next(iter(pieces.values()))
         slab = _slab_bytes(tuple(t.shape), dim, t.dtype)
         stats.record("reduce_scatter", group, stats.ring_bytes(group, [s * slab for s in sizes]))
-        return self._reduce_scatter(group, pieces, dim, sizes)
+        return _run("reduce_scatter", self, (group, pieces, dim, sizes),
+                    lambda: self._reduce_scatter(group, pieces, dim, sizes))
 
     def all_reduce(self, group: tuple, pieces: Pieces) -> Pieces:
         """Every member gets the sum of the members' tensors."""
         t = next(iter(pieces.values()))
         chunk = [s * t.element_size() for s in balanced_sizes(t.numel(), len(group))]
         stats.record("all_reduce", group, {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()})
-        return self._all_reduce(group, pieces)
+        return _run("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces))
 
     def all_to_all(self, group: tuple, chunks: Dict[int, List[torch.Tensor]], shapes: Sequence[Sequence[tuple]],
                    dtype) -> Dict[int, List[torch.Tensor]]:
@@ -85,12 +104,14 @@ class World(ABC):
         size = _itemsize(dtype)
         stats.record("all_to_all", group, {
             r: sum(numel(shapes[i][j]) for j in range(len(group)) if j != i) * size for i, r in enumerate(group)})
-        return self._all_to_all(group, chunks, shapes, dtype)
+        return _run("all_to_all", self, (group, chunks, shapes, dtype),
+                    lambda: self._all_to_all(group, chunks, shapes, dtype))
 
     def broadcast(self, group: tuple, src: int, pieces: Pieces, shape: tuple, dtype, device_type: str) -> Pieces:
         """Every member gets ``src``'s tensor of ``shape``; ``pieces`` holds ``src``'s tensor if it is here."""
         stats.record("broadcast", group, {src: numel(shape) * _itemsize(dtype)} if len(group) > 1 else {src: 0})
-        return self._broadcast(group, src, pieces, shape, dtype, device_type)
+        return _run("broadcast", self, (group, src, pieces, shape, dtype, device_type),
+                    lambda: self._broadcast(group, src, pieces, shape, dtype, device_type))
 
     def send_recv(self, transfers: Sequence[Transfer], payload: Dict[int, torch.Tensor], dtype,
                   device_type: str) -> Dict[int, torch.Tensor]:
@@ -106,7 +127,8 @@ class World(ABC):
                 sent[t.src] = sent.get(t.src, 0) + numel(t.shape) * size
         if sent:
             stats.record("send_recv", tuple(sorted({t.src for t in transfers} | {t.dst for t in transfers})), sent)
-        return self._send_recv(transfers, payload, dtype, device_type)
+        return _run("send_recv", self, (transfers, payload, dtype, device_type),
+                    lambda: self._send_recv(transfers, payload, dtype, device_type))
 
     # -- implementations ----------------------------------------------------------------
     @abstractmethod

@@ -28,6 +28,14 @@ def manual_seed(seed: int) -> None:
     _State.offset = 0
 
 
+def current_offset() -> int:
+    return _State.offset
+
+
+def set_offset(offset: int) -> None:
+    _State.offset = offset
+
+
 def next_offset(numel: int) -> int:
     """Reserve ``numel`` counters for one random call; every rank reserves the same."""
     off = _State.offset
@@ -63,13 +71,38 @@ def positions(shape: tuple, box: tuple, device) -> torch.Tensor:
     return pos
 
 
-def random_bits(pos: torch.Tensor, offset: int, stream: int) -> torch.Tensor:
-    """32 random bits (in int64) per position, for one of several independent streams."""
+def key_values(offset: int, stream: int) -> list:
+    """``[offset, k0, k1]``: a random call's counter base and its two keys from the seed."""
     seed = _State.seed
     k0 = _mix_int((seed & MASK32) ^ _mix_int(stream + 0x9E3779B9))
     k1 = _mix_int((seed >> 32) ^ k0)
-    c = pos + offset
-    return _mix(_mix((c & MASK32) ^ k0) ^ ((c >> 32) & MASK32) ^ k1)
+    return [offset, k0, k1]
+
+
+def _make_keys(offset: int, stream: int, device) -> torch.Tensor:
+    return torch.tensor(key_values(offset, stream), dtype=torch.int64, device=device)
+
+
+_keys_maker = _make_keys
+
+
+def make_keys_with(maker) -> object:
+    """Build each call's key tensor with ``maker(offset, stream, device)`` (None: the default);
+    returns the previous maker. The traced mode marks these tensors as inputs of each call, so a
+    replayed random op draws the numbers the same eager call would."""
+    global _keys_maker
+    previous, _keys_maker = _keys_maker, maker or _make_keys
+    return None if previous is _make_keys else previous
+
+
+def random_bits(pos: torch.Tensor, offset: int, stream: int) -> torch.Tensor:
+    """32 random bits (in int64) per position, for one of several independent streams.
+
+    The call's counter base and keys come in as one small int64 tensor rather than as Python
+    ints, so that they are data a captured graph can feed anew on every call."""
+    keys = _keys_maker(offset, stream, pos.device)
+    c = pos + keys[0]
+    return _mix(_mix((c & MASK32) ^ keys[1]) ^ ((c >> 32) & MASK32) ^ keys[2])
 
 
 def uniform(pos: torch.Tensor, offset: int, dtype: torch.dtype, stream: int = 0) -> torch.Tensor:

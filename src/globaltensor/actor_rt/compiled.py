@@ -1,0 +1,279 @@
+"""``gt.compile(fn)``: a callable that runs ``fn`` from its captured graph on the actor runtime.
+
+One graph per argument meta (position, placement, sbp, shape, dtype, requires_grad of every
+tensor; the value of every other argument), cached. For a new meta the first call runs ``fn``
+eagerly (``warmup``: optimizers create their state, lazily built buffers appear), the next one
+captures it (a dry run, see capture.py) and every call from then on runs the graph. A graph is
+captured again when the plain-number hyper-parameters of an optimizer it steps have changed.
+
+Outputs come back as global tensors (detached: the backward belongs inside ``fn``); global
+tensors that ``fn`` reaches and updates (parameters, gradients, optimizer state) are updated
+in place, as the eager call would.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..boxing import Layout
+from ..comm import get_world
+from ..nn.grad_buckets import GradBuckets
+from ..ops import rng
+from ..tensor import GlobalTensor
+from .capture import capture
+from .inspect import PlanView, chrome_trace, dot
+from .lower import Program, lower
+from .optim import capturable_optimizers, hyper_parameters
+from .runtime import Runtime
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _meta(leaf):
+    if isinstance(leaf, GlobalTensor):
+        return (leaf._layout, leaf.requires_grad)
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    if type(leaf) in _SCALARS:
+        return (type(leaf), leaf)
+    try:
+        hash(leaf)
+    except TypeError:
+        raise TypeError(f"gt.compile: an argument of type {type(leaf).__name__} is neither a tensor nor a "
+                        f"hashable value; a compiled function takes tensors and plain values") from None
+    return (type(leaf), leaf)
+
+
+def _micro_length(leaf, i: int, m: int) -> None:
+    n = leaf.shape[0] if leaf.dim() else 0
+    if leaf.dim() == 0 or n % m:
+        raise ValueError(f"gt.compile(micro_batches={m}): tensor argument {i} has shape {tuple(leaf.shape)}; "
+                         f"its dim 0 must split into {m} equal micro-batches")
+
+
+def micro_batch(leaf, i: int, m: int, j: int):
+    """Micro-batch ``j`` of ``m`` of a tensor argument: each rank's piece split along dim 0."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    _micro_length(leaf, i, m)
+    if not isinstance(leaf, GlobalTensor):
+        n = leaf.shape[0] // m
+        return leaf.detach().narrow(0, j * n, n).requires_grad_(leaf.requires_grad)
+    layout = leaf._layout
+    small = Layout((layout.shape[0] // m,) + tuple(layout.shape[1:]), layout.dtype, layout.placement, layout.nd_sbp)
+    pieces = {}
+    for r, piece in leaf._pieces.items():
+        n = piece.shape[0] // m
+        if piece.shape[0] % m or small.piece_shape(r) != (n,) + tuple(piece.shape[1:]):
+            raise ValueError(f"gt.compile(micro_batches={m}): tensor argument {i} ({layout.nd_sbp} of shape "
+                             f"{layout.shape}) does not split into {m} micro-batches of equal pieces on rank {r}")
+        pieces[r] = piece.detach().narrow(0, j * n, n)
+    return GlobalTensor(small, pieces).requires_grad_(leaf.requires_grad)
+
+
+class _Graph:
+    """One captured meta: its program, runtime and the optimizers it steps."""
+
+    def __init__(self, program: Program, runtime: Runtime, optimizers: list, consumed: int):
+        self.program, self.runtime, self.optimizers = program, runtime, optimizers
+        self.hyper = hyper_parameters(optimizers)
+        self.consumed = consumed
+        self.slots: list = []              # the sink refs, by result slot
+        self.outputs, self.rebinds, self.grad_rebinds = [], [], []
+
+        def slot(ref):
+            self.slots.append(ref)
+            if ref[0] == "task":
+                runtime.tasks[ref[1]].sinks.append((ref[2], len(self.slots) - 1))
+            return len(self.slots) - 1
+        for out, refs in program.outputs:
+            self.outputs.append((out, {r: slot(ref) for r, ref in refs.items()}))
+        self.rebinds = [(w, r, slot(ref)) for w, r, ref in program.rebinds]
+        self.grad_rebinds = [(i, layout, {r: slot(ref) for r, ref in refs.items()})
+                             for i, layout, refs in program.grad_rebinds]
+
+    def value(self, row: list, feed: list, slot: int):
+        ref = self.slots[slot]
+        if ref[0] == "task":
+            return row[slot]
+        if ref[0] == "feed":
+            return feed[self.runtime.feed_index[ref[1]]]
+        return ref[1]
+
+
+class CompiledFunction:
+    """What ``gt.compile`` returns: call it like ``fn``; ``pipeline`` runs many calls overlapped."""
+
+    def __init__(self, fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1,
+                 bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
+                 measure_memory: bool = False):
+        if not callable(fn):
+            raise TypeError(f"gt.compile: expected a function or an nn.Module, got {type(fn).__name__}")
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+            raise ValueError(f"gt.compile(micro_batches=): expected a positive int, got {micro_batches!r}")
+        if not callable(registers) and (not isinstance(registers, int) or isinstance(registers, bool)
+                                        or registers < 1):
+            raise ValueError(f"gt.compile(registers=): expected a register count >= 1, got {registers!r}")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"gt.compile(warmup=): expected a non-negative int, got {warmup!r}")
+        GradBuckets(bucket_bytes)           # validates
+        self.fn, self.registers, self.micro_batches = fn, registers, micro_batches
+        self.bucket_bytes, self.warmup = bucket_bytes, warmup
+        self.timeline, self.measure_memory = timeline, measure_memory
+        self._graphs: dict = {}
+        self._warm: dict = {}
+        self._last: Optional[_Graph] = None
+        self.captures = 0
+
+    # -- calling --------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self._calls([(args, kwargs)])[0]
+
+    def pipeline(self, calls: list) -> list:
+        """Run one call per item of ``calls`` (a tuple of arguments, or one argument), iterations
+        overlapping as far as the registers allow; the outputs in order."""
+        items = [(c if isinstance(c, tuple) else (c,), {}) for c in calls]
+        return self._calls(items)
+
+    def _calls(self, items: list) -> list:
+        results, batch, batch_key = [], [], None
+        for args, kwargs in items:
+            leaves, spec = tree_flatten((args, kwargs))
+            key = (spec, tuple(_meta(x) for x in leaves))
+            graph = self._graphs.get(key)
+            if graph is not None and hyper_parameters(graph.optimizers) != graph.hyper:
+                warnings.warn("gt.compile: an optimizer's hyper-parameters changed since the capture; capturing "
+                              "again (pass lr as a tensor to change it without a new capture)", stacklevel=3)
+                graph.runtime.close()
+                graph = self._graphs.pop(key)
+                graph = None
+            if graph is None:
+                results += self._flush(batch, batch_key)
+                batch = []
+                if self._warm.get(key, 0) < self.warmup:
+                    self._warm[key] = self._warm.get(key, 0) + 1
+                    results.append(self.fn(*args, **kwargs))
+                    continue
+                graph = self._graphs[key] = self._capture(args, kwargs)
+            if batch and key != batch_key:
+                results += self._flush(batch, batch_key)
+                batch = []
+            batch.append((args, kwargs, leaves))
+            batch_key = key
+        results += self._flush(batch, batch_key)
+        return results
+
+    def _flush(self, batch: list, key) -> list:
+        if not batch:
+            return []
+        graph = self._graphs[key]
+        self._last = graph
+        feeds = [self._feed(graph, leaves) for _, _, leaves in batch]
+        try:
+            rows = graph.runtime.run(feeds, len(graph.slots))
+        except Exception:
+            self._graphs.pop(key, None)
+            raise
+        return [self._finish(graph, row, feed, leaves) for row, feed, (_, _, leaves) in zip(rows, feeds, batch)]
+
+    def _feed(self, graph: _Graph, leaves: list) -> list:
+        m = self.micro_batches
+        base = rng.next_offset(graph.consumed * m) if graph.consumed else 0
+        feed = []
+        for key in graph.program.feeds:
+            spec = graph.program.feed_specs[key]
+            if spec[0] == "arg":
+                _, i, rank, mb = spec
+                x = leaves[i]
+                piece = x._pieces[rank] if rank is not None else x
+                if m > 1:
+                    n = piece.shape[0] // m
+                    piece = piece.narrow(0, mb * n, n)
+                feed.append(piece.detach() if piece.requires_grad else piece)
+            else:
+                _, offset, stream, device, mb = spec
+                feed.append(torch.tensor(rng.key_values(base + mb * graph.consumed + offset, stream),
+                                         dtype=torch.int64, device=device))
+        return feed
+
+    def _finish(self, graph: _Graph, row: list, feed: list, leaves: list):
+        out_leaves = []
+        for out, slots in graph.outputs:
+            if out.kind == "global":
+                out_leaves.append(GlobalTensor(out.layout, {r: graph.value(row, feed, s) for r, s in slots.items()}))
+            elif out.kind == "plain":
+                out_leaves.append(graph.value(row, feed, slots[None]))
+            else:
+                out_leaves.append(out.value)
+        for wref, r, s in graph.rebinds:
+            t = wref()
+            if t is not None:
+                t._pieces[r] = graph.value(row, feed, s)
+        for i, layout, slots in graph.grad_rebinds:
+            leaves[i].grad = GlobalTensor(layout, {r: graph.value(row, feed, s) for r, s in slots.items()})
+        return tree_unflatten(out_leaves, graph.program_spec)
+
+    # -- capturing ------------------------------------------------------------------------
+    def _capture(self, args, kwargs) -> _Graph:
+        m = self.micro_batches
+        if m > 1:
+            leaves, spec = tree_flatten((args, kwargs))
+            args, kwargs = tree_unflatten([micro_batch(x, i, m, 0) for i, x in enumerate(leaves)], spec)
+        stepped: list = []
+        buckets = GradBuckets(self.bucket_bytes) if m == 1 and self.bucket_bytes else None
+        try:
+            with capturable_optimizers(stepped):
+                cap = capture(self.fn, args, kwargs, on_leaf=buckets.watch if buckets else None)
+        finally:
+            if buckets is not None:
+                buckets.close()
+        world = get_world()
+        program = lower(cap, micro_batches=m, registers=self.registers,
+                        collective_rank=None if world.simulated else world.rank)
+        runtime = Runtime(program, timeline=self.timeline, measure_memory=self.measure_memory)
+        graph = _Graph(program, runtime, stepped, cap.rng_consumed)
+        graph.program_spec = cap.out_spec
+        self.captures += 1
+        return graph
+
+    # -- inspection -----------------------------------------------------------------------
+    def _graph(self) -> _Graph:
+        if self._last is None:
+            raise RuntimeError("gt.compile: nothing is captured yet; call the compiled function first")
+        return self._last
+
+    @property
+    def plan(self) -> PlanView:
+        """The task graph of the last graph run: tasks, streams, registers, the registers' memory bound."""
+        return PlanView(self._graph().program)
+
+    def to_dot(self) -> str:
+        """Graphviz text of the task graph, one cluster per rank, coloured by stream."""
+        return dot(self._graph().program)
+
+    def trace_to(self, path: str) -> str:
+        """Write the last run's actor firings as Chrome-trace JSON (Perfetto, chrome://tracing)."""
+        return chrome_trace(self._graph().runtime.timeline, path)
+
+    @property
+    def peak_register_bytes(self) -> int:
+        """The most bytes the registers held at once (measured with ``measure_memory=True``)."""
+        return self._graph().runtime.peak_bytes
+
+
+def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
+            bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
+            measure_memory: bool = False) -> CompiledFunction:
+    """Capture ``fn`` (a function or an ``nn.Module``) into a static graph run by the actor runtime.
+
+    ``registers``: output slots per task (an int, or a function of a task giving its count): how
+    many iterations a producer may run ahead of its slowest consumer. ``micro_batches=m`` splits
+    every tensor argument along dim 0 into m micro-batches that flow through the graph; their
+    gradients are averaged and the optimizer runs once. ``bucket_bytes``: data-parallel
+    gradients are all-reduced in buckets of about this size while the backward runs (0: one by
+    one when read). ``warmup``: eager calls before the capture, per argument meta.
+    """
+    return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory)

@@ -1,0 +1,73 @@
+"""Looking at a compiled graph: its plan, Graphviz text, and a Chrome-trace timeline of a run."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from .lower import Program
+
+_COLOURS = {"compute": "lightblue", "collective": "orange", "copy": "palegreen"}
+
+
+class PlanView:
+    """``g.plan``: the tasks (name, rank, stream, registers, bytes), streams and the memory bound."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.tasks = program.tasks
+        self.streams = {name: [program.tasks[i].name for i in ids] for name, ids in program.order.items()}
+        self.registers = {t.name: t.registers for t in program.tasks}
+        self.memory_bound = program.memory_bound
+        self.micro_batches = program.micro_batches
+
+    def __repr__(self) -> str:
+        kinds = Counter(t.stream.split(":")[1] for t in self.tasks)
+        lines = [f"Plan: {len(self.tasks)} tasks on {len(self.streams)} streams "
+                 f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), micro_batches={self.micro_batches}, "
+                 f"registers' memory bound {self.memory_bound} bytes"]
+        for name, tasks in self.streams.items():
+            shown = ", ".join(tasks[:6]) + (f", ... ({len(tasks)} in all)" if len(tasks) > 6 else "")
+            lines.append(f"  {name}: {shown}")
+        return "\n".join(lines)
+
+
+def dot(program: Program) -> str:
+    lines = ["digraph plan {", "  rankdir=TB;", "  node [shape=box, style=filled, fontsize=10];"]
+    by_rank: dict = {}
+    for t in program.tasks:
+        by_rank.setdefault(t.rank, []).append(t)
+    for rank, tasks in sorted(by_rank.items()):
+        lines.append(f"  subgraph cluster_r{rank} {{")
+        lines.append(f'    label="rank {rank}";')
+        for t in tasks:
+            colour = _COLOURS.get(t.stream.split(":")[1], "white")
+            label = t.name.replace('"', "'") + f"\\n{t.stream} x{t.registers}"
+            lines.append(f'    t{t.id} [label="{label}", fillcolor={colour}];')
+        lines.append("  }")
+    for t in program.tasks:
+        for src in t.inputs:
+            if src[0] == "task":
+                lines.append(f"  t{src[1]} -> t{t.id};")
+        for pid, delay in t.deps:
+            style = "dashed" if delay == 0 else "dotted"
+            lines.append(f"  t{pid} -> t{t.id} [style={style}, color=gray];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def chrome_trace(timeline: list, path: str) -> str:
+    """Write ``(stream, task, iteration, start, end)`` firings as Chrome-trace JSON; returns ``path``."""
+    events, threads = [], {}
+    start = min((e[3] for e in timeline), default=0.0)
+    for stream, task, it, t0, t1 in timeline:
+        rank = int(stream.split(":")[0][1:])
+        tid = threads.setdefault(stream, len(threads))
+        events.append({"name": task, "ph": "X", "pid": rank, "tid": tid, "ts": (t0 - start) * 1e6,
+                       "dur": max((t1 - t0) * 1e6, 0.01), "args": {"iteration": it}})
+    for stream, tid in threads.items():
+        rank = int(stream.split(":")[0][1:])
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": stream}})
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return path

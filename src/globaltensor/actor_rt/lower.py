@@ -1,0 +1,290 @@
+"""Lowering: a captured graph -> the physical task graph of the ranks this process holds.
+
+Every recorded piece op and collective becomes a task bound to a stream: ``r<rank>:compute``,
+``r<rank>:copy`` (moves between devices) or ``r<rank>:collective`` (a collective of a simulated
+world runs on its lowest member's). Tasks nothing needs are pruned (collectives and writes into
+state are always needed). One *reference order* -- the capture order, or with micro-batches
+GPipe's: each forward / backward segment for micro-batch 0, 1, ..., in turn -- is a valid
+sequential execution; each stream's static order is that order restricted to the stream, so the
+collectives of every group come in the same order on every rank, and every wait points at
+something earlier in it, which is why the graph cannot deadlock.
+
+Edges: data (a task reads another's output register), ordering within a call (read-after-write,
+write-after-read, write-after-write on one storage: in-place ops, views) and, for state written
+in place, ordering across calls (the next call's first reader of a parameter waits for this
+call's optimizer update): *delayed* edges.
+
+With ``micro_batches=m`` the ops that depend on a batch argument (everything up to the end of the
+last backward, and what after it derives from the forward) run once per micro-batch; the rest
+(the optimizer step, ``zero_grad``) once per call. A value crossing from the first kind to the
+second (a gradient, the returned loss) is the mean over the micro-batches: an *accumulator* task.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from .graph import Captured, Node
+
+
+class CompileError(RuntimeError):
+    """A captured graph that cannot be scheduled as asked."""
+
+
+@dataclass
+class TaskSpec:
+    id: int
+    name: str
+    node: Optional[Node]            # None: an accumulator
+    mb: Optional[int]               # the micro-batch (None: once per call)
+    rank: int
+    stream: str
+    inputs: list                    # per input value: ("task", id, out) | ("feed", key) | ("const", tensor)
+    deps: List[Tuple[int, int]] = field(default_factory=list)   # ordering edges: (task id, delay 0 or 1)
+    registers: int = 2
+    nbytes: int = 0                 # bytes one register of its outputs holds
+    n_out: int = 1
+    device: object = None
+
+
+@dataclass
+class Program:
+    tasks: List[TaskSpec]
+    order: Dict[str, List[int]]    # stream -> task ids in static order
+    outputs: list                   # per Output leaf: as in Captured, refs resolved
+    rebinds: list                   # (weakref, rank, input ref)
+    grad_rebinds: list              # (leaf index, layout, {rank: input ref})
+    feeds: list                     # feed keys: ("arg", leaf, rank, mb) | ("keys", vid, mb)
+    feed_specs: dict                # feed key -> how to make it
+    micro_batches: int
+
+    @property
+    def memory_bound(self) -> int:
+        """Bytes the registers may hold at once: every task's register count times its outputs' bytes."""
+        return sum(t.registers * t.nbytes for t in self.tasks)
+
+
+def _live(cap: Captured) -> set:
+    """Nodes needed for the outputs, the state the call leaves behind, its writes and collectives."""
+    nodes, values = cap.nodes, cap.values
+    external = {v.storage for v in values.values() if v.kind in ("state", "arg") and v.storage is not None}
+    writers: Dict[tuple, List[int]] = {}
+    for n in nodes:
+        for s in n.writes:
+            writers.setdefault(s, []).append(n.index)
+    wanted = [vid for o in cap.outputs for vid in o.refs.values()]
+    wanted += [vid for _, _, vid in cap.rebinds] + [v for _, _, refs in cap.grad_rebinds for v in refs.values()]
+    work = [values[v].node for v in wanted if values[v].kind == "node"]
+    work += [n.index for n in nodes if n.kind == "collective" or set(n.writes) & external]
+    live = set()
+    while work:
+        i = work.pop()
+        if i in live:
+            continue
+        live.add(i)
+        n = nodes[i]
+        for v in n.inputs:
+            if values[v].kind == "node":
+                work.append(values[v].node)
+        for s in n.reads:                       # whoever wrote what it reads, before it
+            work.extend(w for w in writers.get(s, ()) if w < i)
+    return live
+
+
+def _per_micro_batch(cap: Captured, live: set, m: int) -> Dict[int, bool]:
+    if m == 1:
+        return {i: True for i in live}
+    nodes, values = cap.nodes, cap.values
+    last_backward = max((n.segment for n in nodes if n.backward), default=None)
+    if last_backward is None:
+        raise CompileError("gt.compile(micro_batches=m): the function runs no backward; micro-batches "
+                           "split a training step (forward, backward, update)")
+    per_mb, forward_derived = {}, {}
+    for i in sorted(live):
+        n = nodes[i]
+        if n.segment <= last_backward:
+            per_mb[i], forward_derived[i] = True, not n.backward
+            continue
+        derived = any(values[v].kind == "arg" or (values[v].kind == "node" and forward_derived.get(values[v].node))
+                      for v in n.inputs)
+        per_mb[i] = derived and n.kind != "collective"   # a collective after the backward: once, on every rank
+        forward_derived[i] = per_mb[i]
+    return per_mb
+
+
+class _Builder:
+    def __init__(self, cap: Captured, m: int, registers, host_rank: int, collective_rank: Optional[int]):
+        self.cap, self.m, self.registers = cap, m, registers
+        self.host_rank, self.collective_rank = host_rank, collective_rank
+        self.tasks: List[TaskSpec] = []
+        self.instance: Dict[Tuple[int, Optional[int]], int] = {}
+        self.acc: Dict[int, int] = {}
+        self.late: set = set()               # once-per-call tasks that read a mean over micro-batches
+        self.feeds: Dict[tuple, tuple] = {}
+        self.keys: List[tuple] = []          # sort key of every task, for the reference order
+
+    def rank_of(self, n: Node) -> int:
+        if n.kind == "collective":
+            return self.collective_rank if self.collective_rank is not None else n.ranks[0]
+        return n.rank if n.rank is not None else self.host_rank
+
+    def resolve(self, vid: int, mb: Optional[int]):
+        v = self.cap.values[vid]
+        if v.kind == "state":
+            return ("const", v.tensor)
+        if v.kind == "arg":
+            key = ("arg", v.arg[0], v.arg[1], mb or 0)
+            self.feeds[key] = ("arg", v.arg[0], v.arg[1], mb or 0)
+            return ("feed", key)
+        if v.kind == "keys":
+            key = ("keys", vid, mb or 0)
+            self.feeds[key] = ("keys",) + v.keys + (mb or 0,)
+            return ("feed", key)
+        producer = v.node
+        if self.per_mb[producer]:
+            if mb is None:
+                return ("task", self.accumulator(vid), 0)
+            return ("task", self.instance[(producer, mb)], v.out)
+        return ("task", self.instance[(producer, None)], v.out)
+
+    def accumulator(self, vid: int) -> int:
+        """The mean over the micro-batches of a per-micro-batch value (the value itself when m == 1)."""
+        if vid in self.acc:
+            return self.acc[vid]
+        v = self.cap.values[vid]
+        n = self.cap.nodes[v.node]
+        if self.m == 1:
+            return self.instance[(v.node, 0)]
+        t = TaskSpec(len(self.tasks), f"mean{self.m}({n.name}.{v.out})", None, None, self.rank_of(n)
+                     if n.kind == "op" else (v.rank if v.rank is not None else self.host_rank),
+                     "", [("task", self.instance[(v.node, j)], v.out) for j in range(self.m)],
+                     nbytes=v.nbytes)
+        t.stream = f"r{t.rank}:compute"
+        self.add(t, (n.segment, self.m - 1, n.index + 0.5))
+        self.acc[vid] = t.id
+        self.late.add(t.id)
+        return t.id
+
+    def add(self, t: TaskSpec, key: tuple) -> None:
+        self.tasks.append(t)
+        self.keys.append(key)
+
+    def build(self, live: set) -> None:
+        cap, m = self.cap, self.m
+        self.per_mb = _per_micro_batch(cap, live, m)
+        for i in sorted(live):
+            n = cap.nodes[i]
+            rank = self.rank_of(n)
+            for mb in (range(m) if self.per_mb[i] else [None]):
+                inputs = [self.resolve(v, mb) for v in n.inputs]
+                late = mb is None and any(x[0] == "task" and (self.tasks[x[1]].mb is not None or x[1] in self.late)
+                                          for x in inputs)
+                name = n.name + (f"#mb{mb}" if m > 1 and mb is not None else "")
+                t = TaskSpec(len(self.tasks), name, n, mb, rank, f"r{rank}:{n.stream}", inputs,
+                             n_out=len(n.outs), nbytes=sum(cap.values[o].nbytes for o in n.outs), device=n.device)
+                self.instance[(i, mb)] = t.id
+                if late:
+                    self.late.add(t.id)
+                self.add(t, (n.segment, mb if mb is not None else (m - 1 if late else 0), i))
+
+
+def _assign_ranks(cap: Captured, live: set) -> None:
+    """Ops made on no rank's piece (a factory inside a boxing) run on the rank of what uses them."""
+    values, nodes = cap.values, cap.nodes
+    users: Dict[int, List[int]] = {}
+    for j in live:
+        for v in nodes[j].inputs:
+            if values[v].kind == "node":
+                users.setdefault(values[v].node, []).append(j)
+    for i in sorted(live, reverse=True):
+        n = nodes[i]
+        if n.kind == "op" and n.rank is None:
+            n.rank = next((nodes[j].rank for j in sorted(users.get(i, ())) if nodes[j].kind == "op"
+                           and nodes[j].rank is not None), None)
+
+
+def _ordering(tasks: List[TaskSpec], order: List[int], external: set, cap: Captured, creator: dict) -> None:
+    """Read/write hazards on storages, within a call and (state written in place) across calls."""
+    last_write: Dict[tuple, int] = {}
+    readers: Dict[tuple, List[int]] = {}
+    accesses: Dict[tuple, List[Tuple[int, bool]]] = {}
+    for tid in order:
+        t = tasks[tid]
+        if t.node is None:
+            continue
+        n = t.node
+
+        def key(s):
+            if s in external:
+                return s
+            c = creator.get(s)
+            if c is None:
+                return None
+            if t.mb is None and c[1]:            # a once task touching a per-micro-batch storage: via its mean
+                return None
+            return (s, t.mb if c[1] else None)
+        for s in set(n.reads) | set(n.writes):
+            k = key(s)
+            if k is None:
+                continue
+            write = s in n.writes
+            if k in last_write:
+                t.deps.append((last_write[k], 0))
+            if write:
+                t.deps.extend((r, 0) for r in readers.get(k, ()))
+                last_write[k], readers[k] = tid, []
+            else:
+                readers.setdefault(k, []).append(tid)
+            if s in external:
+                accesses.setdefault(k, []).append((tid, write))
+    for k, acc in accesses.items():
+        writes = [i for i, (_, w) in enumerate(acc) if w]
+        if not writes:
+            continue
+        first, last = writes[0], writes[-1]
+        for i in range(first + 1):
+            tasks[acc[i][0]].deps.append((acc[last][0], 1))
+        for i in range(last + 1, len(acc)):
+            tasks[acc[first][0]].deps.append((acc[i][0], 1))
+
+
+def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
+          collective_rank: Optional[int] = None) -> Program:
+    """The task graph of ``cap`` for the ranks this process holds."""
+    live = _live(cap)
+    _assign_ranks(cap, live)
+    b = _Builder(cap, micro_batches, registers, cap.held_ranks[0], collective_rank)
+    b.build(live)
+    outputs = []
+    for o in cap.outputs:
+        refs = {r: b.resolve(v, None) for r, v in o.refs.items()}
+        outputs.append((o, refs))
+    rebinds = [(w, r, b.resolve(v, None)) for w, r, v in cap.rebinds]
+    grad_rebinds = [(i, layout, {r: b.resolve(v, None) for r, v in refs.items()})
+                    for i, layout, refs in cap.grad_rebinds]
+    tasks = b.tasks
+    order = sorted(range(len(tasks)), key=lambda t: b.keys[t])
+    position = {tid: p for p, tid in enumerate(order)}
+    for t in tasks:
+        for x in t.inputs:
+            if x[0] == "task" and position[x[1]] >= position[t.id]:
+                raise CompileError(f"gt.compile: task {t.name} needs {tasks[x[1]].name}, which the micro-batch "
+                                   f"schedule puts after it (a per-micro-batch op reads the mean over micro-batches)")
+    external = {v.storage for v in cap.values.values() if v.kind in ("state", "arg") and v.storage is not None}
+    creator = {}
+    per_mb = b.per_mb
+    for v in cap.values.values():
+        if v.kind == "node" and v.storage is not None and v.storage not in creator and v.storage not in external:
+            creator[v.storage] = (v.node, per_mb.get(v.node, False) and micro_batches > 1)
+    _ordering(tasks, order, external, cap, creator)
+    for t in tasks:
+        k = registers(t) if callable(registers) else registers
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"gt.compile(registers=): expected a register count >= 1 for task {t.name}, got {k!r}")
+        t.registers = k
+        t.deps = sorted(set(d for d in t.deps if d[0] != t.id or d[1] == 1))
+    streams: Dict[str, List[int]] = {}
+    for tid in order:
+        streams.setdefault(tasks[tid].stream, []).append(tid)
+    return Program(tasks, streams, outputs, rebinds, grad_rebinds, sorted(b.feeds, key=repr), b.feeds,
+                   micro_batches)
