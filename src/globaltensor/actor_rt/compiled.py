@@ -109,7 +109,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1,
                  bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
-                 measure_memory: bool = False):
+                 measure_memory: bool = False, streams: Optional[Callable] = None):
         if not callable(fn):
             raise TypeError(f"gt.compile: expected a function or an nn.Module, got {type(fn).__name__}")
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -122,7 +122,7 @@ class CompiledFunction:
         GradBuckets(bucket_bytes)           # validates
         self.fn, self.registers, self.micro_batches = fn, registers, micro_batches
         self.bucket_bytes, self.warmup = bucket_bytes, warmup
-        self.timeline, self.measure_memory = timeline, measure_memory
+        self.timeline, self.measure_memory, self.streams = timeline, measure_memory, streams
         self._graphs: dict = {}
         self._warm: dict = {}
         self._last: Optional[_Graph] = None
@@ -232,7 +232,7 @@ class CompiledFunction:
                 buckets.close()
         world = get_world()
         program = lower(cap, micro_batches=m, registers=self.registers,
-                        collective_rank=None if world.simulated else world.rank)
+                        collective_rank=None if world.simulated else world.rank, streams=self.streams)
         runtime = Runtime(program, timeline=self.timeline, measure_memory=self.measure_memory)
         graph = _Graph(program, runtime, stepped, cap.rng_consumed)
         graph.program_spec = cap.out_spec
@@ -266,7 +266,7 @@ class CompiledFunction:
 
 def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
             bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
-            measure_memory: bool = False) -> CompiledFunction:
+            measure_memory: bool = False, streams: Optional[Callable] = None) -> CompiledFunction:
     """Capture ``fn`` (a function or an ``nn.Module``) into a static graph run by the actor runtime.
 
     ``registers``: output slots per task (an int, or a function of a task giving its count): how

@@ -249,8 +249,10 @@ def _ordering(tasks: List[TaskSpec], order: List[int], external: set, cap: Captu
 
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
-          collective_rank: Optional[int] = None) -> Program:
-    """The task graph of ``cap`` for the ranks this process holds."""
+          collective_rank: Optional[int] = None, streams: Optional[Callable] = None) -> Program:
+    """The task graph of ``cap`` for the ranks this process holds. ``streams(task)``, when given,
+    names the stream of each task instead of its rank and kind (any assignment is deadlock-free:
+    every stream follows the one reference order)."""
     live = _live(cap)
     _assign_ranks(cap, live)
     b = _Builder(cap, micro_batches, registers, cap.held_ranks[0], collective_rank)
@@ -282,6 +284,12 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"gt.compile(registers=): expected a register count >= 1 for task {t.name}, got {k!r}")
         t.registers = k
+        if streams is not None:
+            name = streams(t)
+            if not isinstance(name, str) or not name.startswith(f"r{t.rank}:"):
+                raise ValueError(f"gt.compile(streams=): expected a stream name 'r{t.rank}:<name>' for task {t.name} "
+                                 f"(a task stays on its rank), got {name!r}")
+            t.stream = name
         t.deps = sorted(set(d for d in t.deps if d[0] != t.id or d[1] == 1))
     streams: Dict[str, List[int]] = {}
     for tid in order:
