@@ -249,8 +249,26 @@ def replicate(t: torch.Tensor, placement: Placement) -> GlobalTensor:
     return GlobalTensor(layout, pieces)
 
 
+class _MetaReads:
+    depth = 0
+
+
+def reading_meta() -> bool:
+    """Whether the host is reading shapes, not values (the shape exchange of ``to_global``): a captured
+    graph may freeze these, as they follow from the argument metas."""
+    return _MetaReads.depth > 0
+
+
 def _global_shape_from_pieces(local: torch.Tensor, placement: Placement, nd: tuple) -> tuple:
     """The logical shape from this rank's piece: exchanged with one small collective when split."""
+    _MetaReads.depth += 1
+    try:
+        return _exchanged_shape(local, placement, nd)
+    finally:
+        _MetaReads.depth -= 1
+
+
+def _exchanged_shape(local: torch.Tensor, placement: Placement, nd: tuple) -> tuple:
     world = get_world()
     split_axes = [a for a, v in enumerate(nd) if v.is_split]
     if not split_axes:

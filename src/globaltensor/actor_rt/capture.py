@@ -27,7 +27,7 @@ from ..comm import get_world
 from ..comm import stats
 from ..comm.world import observe_collectives
 from ..ops import rng
-from ..tensor import GlobalTensor, observe_creation
+from ..tensor import GlobalTensor, observe_creation, reading_meta
 from .graph import Captured, Node, Output, Ref, Value
 
 aten = torch.ops.aten
@@ -186,7 +186,7 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.suspended:
             return func(*args, **kwargs)
-        if func in _HOST_READS:
+        if func in _HOST_READS and not reading_meta():
             raise CaptureError(f"gt.compile: {func} reads a tensor's value on the host inside the captured "
                                f"function, at {_user_frame()}; the value would be frozen into the graph. "
                                f"Return the tensor instead and read it outside.")

@@ -13,6 +13,7 @@ in place, as the eager call would.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -45,6 +46,13 @@ def _meta(leaf):
         raise TypeError(f"gt.compile: an argument of type {type(leaf).__name__} is neither a tensor nor a "
                         f"hashable value; a compiled function takes tensors and plain values") from None
     return (type(leaf), leaf)
+
+
+def _flatten(args: tuple, kwargs: dict):
+    """The argument leaves and their structure; positional tensors and plain values without pytree."""
+    if not kwargs and all(type(a) not in (list, tuple, dict, type(None)) for a in args):
+        return list(args), len(args)
+    return tree_flatten((args, kwargs))
 
 
 def _micro_length(leaf, i: int, m: int) -> None:
@@ -104,6 +112,12 @@ class _Graph:
         return ref[1]
 
 
+def _close_all(graphs: dict) -> None:
+    """End the stream threads of every graph (the end-of-data message) when the function goes away."""
+    for graph in graphs.values():
+        graph.runtime.close()
+
+
 class CompiledFunction:
     """What ``gt.compile`` returns: call it like ``fn``; ``pipeline`` runs many calls overlapped."""
 
@@ -127,6 +141,7 @@ class CompiledFunction:
         self._warm: dict = {}
         self._last: Optional[_Graph] = None
         self.captures = 0
+        weakref.finalize(self, _close_all, self._graphs)
 
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -141,7 +156,7 @@ class CompiledFunction:
     def _calls(self, items: list) -> list:
         results, batch, batch_key = [], [], None
         for args, kwargs in items:
-            leaves, spec = tree_flatten((args, kwargs))
+            leaves, spec = _flatten(args, kwargs)
             key = (spec, tuple(_meta(x) for x in leaves))
             graph = self._graphs.get(key)
             if graph is not None and hyper_parameters(graph.optimizers) != graph.hyper:
@@ -214,7 +229,8 @@ class CompiledFunction:
                 t._pieces[r] = graph.value(row, feed, s)
         for i, layout, slots in graph.grad_rebinds:
             leaves[i].grad = GlobalTensor(layout, {r: graph.value(row, feed, s) for r, s in slots.items()})
-        return tree_unflatten(out_leaves, graph.program_spec)
+        spec = graph.program_spec
+        return out_leaves[0] if spec.is_leaf() else tree_unflatten(out_leaves, spec)
 
     # -- capturing ------------------------------------------------------------------------
     def _capture(self, args, kwargs) -> _Graph:

@@ -69,6 +69,8 @@ class Stream:
         self.finished = 0
         self.cuda_stream = None
         self.thread = None
+        self.code = None               # its iteration, generated at the first run
+        self.line_task: dict = {}
 
 
 class Feed:
@@ -91,19 +93,6 @@ def _mean(*xs):
     return out.div_(len(xs))
 
 
-def _expression(src, names: dict, namespace: dict) -> str:
-    kind = src[0]
-    if kind == "const":
-        name = f"C{len(namespace)}"
-        namespace[name] = src[1]
-        return name
-    if kind == "feed":
-        return f"F.regs[it % {names['feed_k']}][{names['feed'][src[1]]}]"
-    tid, out = src[1], src[2]
-    k = names["k"][tid]
-    return f"T{tid}.regs[{'0' if k == 1 else f'it % {k}'}][{out}]"
-
-
 def _constant(v, namespace: dict) -> str:
     if v is None or type(v) in (bool, int):
         return repr(v)
@@ -112,34 +101,116 @@ def _constant(v, namespace: dict) -> str:
     return name
 
 
-def _compile_task(spec: TaskSpec, names: dict, namespace: dict, world) -> str:
-    """Python source of ``run(it)`` for one task: its op on its inputs' registers, outputs as a tuple."""
-    if spec.node is None:
-        ins = ", ".join(_expression(s, names, namespace) for s in spec.inputs)
-        return f"def run(it):\n    return (_mean({ins}),)\n"
-    n = spec.node
-    by_vid = {vid: _expression(src, names, namespace) for vid, src in zip(n.inputs, spec.inputs)}
+class _StreamCode:
+    """Python source of one stream's iteration: its tasks' ops in static order, straight-line.
 
-    def one(v):
-        if isinstance(v, Ref):
-            return by_vid[v.vid]
-        if isinstance(v, (list, tuple)) and any(isinstance(x, Ref) for x in v):
-            inner = ", ".join(one(x) for x in v)
-            return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
-        return _constant(v, namespace)
-    if n.kind == "collective":
-        leaves, spec_tree = n.args
-        namespace["SPEC"] = spec_tree
-        namespace["COLL"] = getattr(world, n.target)
-        body = ", ".join(one(x) for x in leaves)
-        return (f"def run(it):\n    return tuple(_flat(COLL(*_unflat([{body}], SPEC)))[0])\n")
-    args, kwargs = n.args
-    namespace["OP"] = n.target._op
-    call = ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
-    if n.out_slots is None:
-        return f"def run(it):\n    return (OP({call}),)\n"
-    picks = "".join(f"o[{j}], " for j in n.out_slots)
-    return f"def run(it):\n    o = OP({call})\n    return ({picks})\n"
+    A task's inputs are read from the producer's register (``T7.regs[it % 2][0]``), or from a
+    local when the producer ran earlier on this stream in the same iteration; its outputs go to
+    its own register. Waits, events, timeline entries and notifications appear only where a
+    task has them, so the common task costs its op call and two stores.
+    """
+
+    def __init__(self, runtime: "Runtime", stream: "Stream"):
+        self.rt, self.stream = runtime, stream
+        self.ns = {"_mean": _mean, "_flat": tree_flatten, "_unflat": tree_unflatten, "F": runtime.feed,
+                   "CLOCK": time.perf_counter, "TL": runtime.timeline, "SN": stream.name}
+        self.lines: list = []
+        self.line_task: dict = {}
+        self.here: set = set()
+        self.moduli = sorted({t.k for t in stream.tasks} | {runtime.feed.k} |
+                             {runtime.tasks[src[1]].k for t in stream.tasks for src in t.spec.inputs if src[0] == "task"})
+
+    def slot(self, k: int) -> str:
+        return "0" if k == 1 else f"s{k}"
+
+    def expr(self, src) -> str:
+        if src[0] == "const":
+            return _constant(src[1], self.ns)
+        if src[0] == "feed":
+            return f"F.regs[{self.slot(self.rt.feed.k)}][{self.rt.feed_index[src[1]]}]"
+        tid, out = src[1], src[2]
+        if tid in self.here:
+            return f"o{tid}[{out}]"
+        self.ns[f"T{tid}"] = self.rt.tasks[tid]
+        return f"T{tid}.regs[{self.slot(self.rt.tasks[tid].k)}][{out}]"
+
+    def call(self, t: "Task") -> str:
+        spec, ns, tid = t.spec, self.ns, t.spec.id
+        if spec.node is None:
+            return f"(_mean({', '.join(self.expr(x) for x in spec.inputs)}),)"
+        n = spec.node
+        by_vid = {vid: self.expr(src) for vid, src in zip(n.inputs, spec.inputs)}
+
+        def one(v):
+            if isinstance(v, Ref):
+                return by_vid[v.vid]
+            if isinstance(v, (list, tuple)) and any(isinstance(x, Ref) for x in v):
+                inner = ", ".join(one(x) for x in v)
+                return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
+            return _constant(v, ns)
+        if n.kind == "collective":
+            leaves, tree = n.args
+            ns[f"SPEC{tid}"], ns[f"COLL{tid}"] = tree, getattr(self.rt.world, n.target)
+            return f"tuple(_flat(COLL{tid}(*_unflat([{', '.join(one(x) for x in leaves)}], SPEC{tid})))[0])"
+        args, kwargs = n.args
+        ns[f"OP{tid}"] = n.target._op
+        call = ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+        if n.out_slots is None:
+            return f"(OP{tid}({call}),)"
+        ns[f"_pick{tid}"] = _picker(n.out_slots)
+        return f"_pick{tid}(OP{tid}({call}))"
+
+    def emit(self, line: str, task=None) -> None:
+        self.lines.append("    " + line)
+        if task is not None:
+            self.line_task[len(self.lines) + 1] = task
+
+    def build(self):
+        rt = self.rt
+        for k in self.moduli:
+            if k > 1:
+                self.emit(f"s{k} = it % {k}")
+        for t in self.stream.tasks:
+            tid = t.spec.id
+            self.ns[f"T{tid}"] = t
+            self.emit(f"# {t.name}")
+            if t.waits_in or t.waits_credit:
+                self.ns[f"W{tid}"] = rt._waiter(self.stream, t)
+                self.emit(f"W{tid}(it)", t)
+            if t.cuda_waits:
+                self.ns[f"CW{tid}"] = rt._cuda_waiter(t)
+                self.emit(f"CW{tid}(it)", t)
+            if rt.timeline_on:
+                self.emit("t0 = CLOCK()")
+            self.emit(f"o{tid} = {self.call(t)}", t)
+            self.here.add(tid)
+            self.emit(f"T{tid}.regs[{self.slot(t.k)}] = o{tid}")
+            for j, slot in t.sinks:
+                self.emit(f"ROW[{slot}] = o{tid}[{j}]")
+            if t.events is not None:
+                self.ns[f"PUB{tid}"] = rt._cuda_publisher(t)
+                self.emit(f"PUB{tid}(it, o{tid})", t)
+            if rt.timeline_on:
+                self.emit(f"TL.append((SN, {t.name!r}, it, t0, CLOCK()))")
+            self.emit(f"T{tid}.done = it + 1")
+            for i, s in enumerate(t.notify):
+                self.ns[f"N{tid}_{i}"] = s.cond
+                self.emit(f"with N{tid}_{i}: N{tid}_{i}.notify_all()")
+            if rt.measure:
+                self.ns["MEASURE"] = rt._sample_memory
+                self.emit("MEASURE()")
+        if any(t.sinks for t in self.stream.tasks):
+            self.lines.insert(0, "    ROW = RESULTS[it]")
+            self.line_task = {k + 1: v for k, v in self.line_task.items()}
+        source = "def iteration(it, RESULTS):\n" + "\n".join(self.lines or ["    pass"]) + "\n"
+        exec(compile(source, f"<stream {self.stream.name}>", "exec"), self.ns)
+        return self.ns["iteration"]
+
+
+def _picker(slots: list):
+    def pick(o):
+        return tuple(o[j] for j in slots)
+    return pick
 
 
 class Runtime:
@@ -162,13 +233,6 @@ class Runtime:
             for src in s.inputs:
                 if src[0] == "const":
                     self.external.add(storage_key(src[1]))
-        names = {"k": {s.id: s.registers for s in specs}, "feed": self.feed_index, "feed_k": self.feed.k}
-        for t in self.tasks:
-            namespace = {"_mean": _mean, "_flat": tree_flatten, "_unflat": tree_unflatten, "F": self.feed}
-            namespace.update({f"T{s[1]}": self.tasks[s[1]] for s in t.spec.inputs if s[0] == "task"})
-            source = _compile_task(t.spec, names, namespace, self.world)
-            exec(compile(source, f"<task {t.name}>", "exec"), namespace)
-            t.run = namespace["run"]
         self.streams: Dict[str, Stream] = {}
         for name, ids in program.order.items():
             tasks = [self.tasks[i] for i in ids]
@@ -179,6 +243,12 @@ class Runtime:
                 t.stream = self.streams[name]
         self._wire()
         self.results: dict = {}
+        # the caller's thread is the thread of the busiest CPU stream while a run lasts: a graph on
+        # one stream then runs with no hand-off between threads at all
+        cpu = [s for s in self.streams.values() if s.device is None]
+        self.inline = max(cpu, key=lambda s: len(s.tasks)) if cpu else None
+        self.feed.notify = list({id(c.stream): c.stream for c in self.feed.consumers
+                                 if c.stream is not self.inline}.values())
 
     def _wire(self) -> None:
         tasks = self.tasks
@@ -221,7 +291,10 @@ class Runtime:
     # -- threads --------------------------------------------------------------------------
     def _start(self) -> None:
         for s in self.streams.values():
-            if s.thread is None:
+            if s.code is None:
+                code = _StreamCode(self, s)
+                s.code, s.line_task = code.build(), code.line_task
+            if s.thread is None and s is not self.inline:
                 s.thread = threading.Thread(target=self._loop, args=(s,), name=f"gt-actor-{s.name}", daemon=True)
                 s.thread.start()
 
@@ -241,46 +314,41 @@ class Runtime:
             self._serve(stream)
 
     def _serve(self, stream: Stream) -> None:
-        tasks, timeline = stream.tasks, self.timeline
+        iteration = stream.code
         while True:
             job = stream.jobs.get()
             if job is None:
                 return
             start, stop = job
-            t = None
             try:
                 with torch.no_grad():
                     for it in range(start, stop):
-                        for t in tasks:
-                            if t.waits_in or t.waits_credit:
-                                self._wait(stream, t, it)
-                            if t.cuda_waits:
-                                self._cuda_wait(t, it)
-                            t0 = time.perf_counter() if self.timeline_on else 0.0
-                            outs = t.run(it)
-                            t.regs[it % t.k] = outs
-                            if t.sinks:
-                                row = self.results[it]
-                                for j, slot in t.sinks:
-                                    row[slot] = outs[j]
-                            if t.events is not None:
-                                self._cuda_publish(t, it, outs)
-                            if self.timeline_on:
-                                timeline.append((stream.name, t.name, it, t0, time.perf_counter()))
-                            t.done = it + 1
-                            for s in t.notify:
-                                with s.cond:
-                                    s.cond.notify_all()
-                            if self.measure:
-                                self._sample_memory()
+                        iteration(it, self.results)
                         stream.finished = it + 1
             except _Stop:
                 pass
             except BaseException as e:  # noqa: BLE001 -- every failure must reach the caller
-                self._fail(e, t)
+                self._fail(e, self._task_at(stream, e))
             with self.done_cond:
-                stream.finished = max(stream.finished, stop) if self.failed is None else stream.finished
                 self.done_cond.notify_all()
+
+    def _task_at(self, stream: Stream, e: BaseException):
+        """The task whose line of the stream's code raised."""
+        tb, task = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == f"<stream {stream.name}>":
+                task = stream.line_task.get(tb.tb_lineno, task)
+            tb = tb.tb_next
+        return task
+
+    def _waiter(self, stream: Stream, t: Task):
+        return lambda it: self._wait(stream, t, it)
+
+    def _cuda_waiter(self, t: Task):
+        return lambda it: self._cuda_wait(t, it)
+
+    def _cuda_publisher(self, t: Task):
+        return lambda it, outs: self._cuda_publish(t, it, outs)
 
     def _wait(self, stream: Stream, t: Task, it: int) -> None:
         cond = stream.cond
@@ -353,24 +421,36 @@ class Runtime:
         n = len(feeds)
         self.timeline.clear()
         self.results = {base + i: [None] * sink_count for i in range(n)}
+        inline = self.inline
         for s in self.streams.values():
-            s.jobs.put((base, base + n))
+            if s is not inline:
+                s.jobs.put((base, base + n))
         feed = self.feed
-        for i, values in enumerate(feeds):
-            it = base + i
-            need = it + 1 - feed.k
-            for c in feed.consumers:
-                if c.done < need:
-                    with feed.cond:
-                        while c.done < need and self.failed is None:
-                            feed.cond.wait()
-            if self.failed is not None:
-                break
-            feed.regs[it % feed.k] = values
-            feed.done = it + 1
-            for s in {id(c.stream): c.stream for c in feed.consumers}.values():
-                with s.cond:
-                    s.cond.notify_all()
+        with torch.no_grad():
+            for i, values in enumerate(feeds):
+                it = base + i
+                need = it + 1 - feed.k
+                for c in feed.consumers:
+                    if c.done < need:
+                        with feed.cond:
+                            while c.done < need and self.failed is None:
+                                feed.cond.wait()
+                if self.failed is not None:
+                    break
+                feed.regs[it % feed.k] = values
+                feed.done = it + 1
+                for s in feed.notify:
+                    with s.cond:
+                        s.cond.notify_all()
+                if inline is not None:
+                    try:
+                        inline.code(it, self.results)
+                    except _Stop:
+                        break
+                    except BaseException as e:  # noqa: BLE001 -- it is re-raised below, with its task
+                        self._fail(e, self._task_at(inline, e))
+                        break
+                    inline.finished = it + 1
         end = base + n
         with self.done_cond:
             while self.failed is None and any(s.finished < end for s in self.streams.values()):
