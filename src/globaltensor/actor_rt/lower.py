@@ -21,6 +21,7 @@ second (a gradient, the returned loss) is the mean over the micro-batches: an *a
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -248,6 +249,54 @@ def _ordering(tasks: List[TaskSpec], order: List[int], external: set, cap: Captu
             tasks[acc[first][0]].deps.append((acc[i][0], 1))
 
 
+def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
+    """The reference order reworked so that what follows a collective waits until it is needed.
+
+    In capture order, the ops that consume a collective's result come right after it (the
+    gradient slices of a bucket's all-reduce); a stream running them there would sit waiting for
+    the collective instead of going on with the backward. Each task downstream of a collective
+    gets a deadline: the earliest position of anything that needs it (another collective, or a
+    task that is not downstream of one) -- never later than its consumers. A topological sort by
+    (deadline, position) then runs the work that feeds the next collective first and postpones
+    the rest. Collectives keep their positions, so every rank still issues them in capture order.
+    """
+    pos = {tid: p for p, tid in enumerate(order)}
+    succ: Dict[int, List[int]] = {tid: [] for tid in order}
+    preds: Dict[int, set] = {tid: set() for tid in order}
+    for t in tasks:
+        for x in t.inputs:
+            if x[0] == "task":
+                preds[t.id].add(x[1])
+        preds[t.id].update(d for d, delay in t.deps if delay == 0)
+        for p in preds[t.id]:
+            succ[p].append(t.id)
+    downstream = set()
+    for tid in order:
+        if any(tasks[p].node is not None and tasks[p].node.kind == "collective" or p in downstream
+               for p in preds[tid]) and not (tasks[tid].node is not None and tasks[tid].node.kind == "collective"):
+            downstream.add(tid)
+    deadline: Dict[int, float] = {}
+    for tid in reversed(order):
+        if tid in downstream:
+            deadline[tid] = min((deadline[c] for c in succ[tid]), default=float("inf"))
+        else:
+            deadline[tid] = pos[tid]
+    waiting = {tid: len(preds[tid]) for tid in order}
+    ready = [(deadline[tid], pos[tid], tid) for tid in order if not waiting[tid]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, _, tid = heapq.heappop(ready)
+        out.append(tid)
+        for c in succ[tid]:
+            waiting[c] -= 1
+            if not waiting[c]:
+                heapq.heappush(ready, (deadline[c], pos[c], c))
+    if len(out) != len(order):
+        raise CompileError("gt.compile: the captured graph has a cycle")
+    return out
+
+
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
           collective_rank: Optional[int] = None, streams: Optional[Callable] = None) -> Program:
     """The task graph of ``cap`` for the ranks this process holds. ``streams(task)``, when given,
@@ -291,6 +340,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
                                  f"(a task stays on its rank), got {name!r}")
             t.stream = name
         t.deps = sorted(set(d for d in t.deps if d[0] != t.id or d[1] == 1))
+    order = _communication_first(tasks, order)
     streams: Dict[str, List[int]] = {}
     for tid in order:
         streams.setdefault(tasks[tid].stream, []).append(tid)

@@ -69,6 +69,7 @@ class Stream:
         self.finished = 0
         self.cuda_stream = None
         self.thread = None
+        self.end_event = None          # CUDA: recorded when a job's last iteration is queued
         self.code = None               # its iteration, generated at the first run
         self.line_task: dict = {}
 
@@ -319,12 +320,17 @@ class Runtime:
             job = stream.jobs.get()
             if job is None:
                 return
-            start, stop = job
+            start, stop, ready = job
             try:
+                if ready is not None:                  # the caller's stream made the arguments
+                    torch.cuda.current_stream().wait_event(ready)
                 with torch.no_grad():
                     for it in range(start, stop):
                         iteration(it, self.results)
                         stream.finished = it + 1
+                if stream.cuda_stream is not None:     # the caller waits on this before using results
+                    stream.end_event = torch.cuda.Event()
+                    stream.end_event.record()
             except _Stop:
                 pass
             except BaseException as e:  # noqa: BLE001 -- every failure must reach the caller
@@ -422,9 +428,13 @@ class Runtime:
         self.timeline.clear()
         self.results = {base + i: [None] * sink_count for i in range(n)}
         inline = self.inline
+        ready = None
+        if any(s.device is not None for s in self.streams.values()):
+            ready = torch.cuda.Event()
+            ready.record()
         for s in self.streams.values():
             if s is not inline:
-                s.jobs.put((base, base + n))
+                s.jobs.put((base, base + n, ready))
         feed = self.feed
         with torch.no_grad():
             for i, values in enumerate(feeds):
@@ -457,6 +467,10 @@ class Runtime:
                 self.done_cond.wait()
         if self.failed is not None:
             self._raise()
+        for s in self.streams.values():
+            if s.end_event is not None:
+                torch.cuda.current_stream().wait_event(s.end_event)
+                s.end_event = None
         results = [self.results[base + i] for i in range(n)]
         self.results = {}
         for t in self.tasks:

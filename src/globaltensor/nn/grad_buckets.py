@@ -4,7 +4,8 @@ A parameter whose gradient arrives partial over the data axis (a broadcast param
 batch split over that axis) needs an all-reduce before an optimizer can use it. Reducing each
 gradient when it is read costs one collective per parameter, all after the backward. Here each
 gradient joins a bucket when autograd has accumulated it (``register_post_accumulate_grad_hook``),
-in backward order; a bucket reaching ``bucket_bytes`` (and the rest at the end of the backward)
+in backward order; a bucket reaching ``bucket_bytes`` (the first one of a backward at 1 MB, as
+DDP does, so that communication starts early; the rest at the end of the backward)
 is reduced as one flat all-reduce over the partial axes, and the parameters' gradients become
 the reduced, broadcast ones -- the value and layout reading ``.grad`` would give. In a compiled
 graph these collectives run on the collective stream while the backward of earlier layers still
@@ -22,6 +23,7 @@ from ..comm import get_world
 from ..tensor import GlobalTensor, gradient_layout
 
 _raw_grad = torch._C.TensorBase.grad
+FIRST_BUCKET_BYTES = 2 ** 20
 
 
 class GradBuckets:
@@ -34,6 +36,7 @@ class GradBuckets:
         self.handles: list = []
         self.watched: set = set()
         self.flush_queued = False
+        self.flushed_once = False      # the first bucket of each backward is small (FIRST_BUCKET_BYTES)
 
     def watch(self, p) -> None:
         """Bucket ``p``'s gradient from now on, if it is a global leaf that gets one."""
@@ -64,11 +67,13 @@ class GradBuckets:
         if not self.flush_queued:
             self.flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._flush_all)
-        if self.sizes[key] >= self.bucket_bytes:
+        limit = self.bucket_bytes if self.flushed_once else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+        if self.sizes[key] >= limit:
+            self.flushed_once = True
             self._flush(key)
 
     def _flush_all(self) -> None:
-        self.flush_queued = False
+        self.flush_queued = self.flushed_once = False
         for key in list(self.pending):
             self._flush(key)
 
