@@ -261,7 +261,9 @@ class Tracer(TorchDispatchMode):
             self.suspended = False
         self._phase()
         out_leaves, out_spec = tree_flatten(out)
-        if name == "send_recv":
+        if out is None:                       # "count": a collective of ranks elsewhere, counted here
+            ranks_out = {}
+        elif name == "send_recv":
             transfers = args[0]
             ranks_out = {i: transfers[i].dst for i in out}
         else:
@@ -273,10 +275,12 @@ class Tracer(TorchDispatchMode):
                     [], out_spec, self._label(name), rank=ranks[0] if ranks else None,
                     ranks=tuple(ranks), segment=self.segment, backward=self.backward, inputs=tuple(inputs),
                     reads=tuple({self.values[v].storage for v in inputs} - {None}), stream="collective")
-        node.device = out_leaves[0].device if out_leaves else None
+        node.device = next((o.device for o in out_leaves if isinstance(o, torch.Tensor)), None)
         self.nodes.append(node)
-        owner = [ranks_out[k] for k, v in out.items() for _ in (v if isinstance(v, (list, tuple)) else [v])]
+        owner = [ranks_out[k] for k, v in (out or {}).items() for _ in (v if isinstance(v, (list, tuple)) else [v])]
         for j, (o, r) in enumerate(zip(out_leaves, owner)):
+            if not isinstance(o, torch.Tensor):
+                continue
             vid = self._new_value(o, kind="node", node=node.index, out=j, rank=r)
             self.values[vid].nbytes = o.untyped_storage().nbytes() if self.values[vid].storage else 0
             node.outs.append(vid)

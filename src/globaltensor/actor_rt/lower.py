@@ -126,7 +126,9 @@ class _Builder:
 
     def rank_of(self, n: Node) -> int:
         if n.kind == "collective":
-            return self.collective_rank if self.collective_rank is not None else n.ranks[0]
+            if self.collective_rank is not None:
+                return self.collective_rank
+            return n.ranks[0] if n.ranks else self.host_rank
         return n.rank if n.rank is not None else self.host_rank
 
     def resolve(self, vid: int, mb: Optional[int]):

@@ -27,11 +27,10 @@ def _local(group, world):
     return [r for r in group if world.holds(r)]
 
 
-def _skip(step: Step, group) -> None:
+def _skip(step: Step, group, world: World) -> None:
     """This process holds no rank of ``group``: count its collective all the same, so that every
     process's gt.comm_stats() sees every rank's bytes (the plan knows them from global meta)."""
-    if stats.recording():
-        stats.record(step.op, group, {r: b for r, b in step.bytes_per_rank if r in group})
+    world.count(step.op, group, {r: b for r, b in step.bytes_per_rank if r in group})
 
 
 def _alone(group, pieces, out) -> bool:
@@ -54,7 +53,7 @@ def _groups_here(step: Step, pieces, world, out):
         if mine:
             yield g, mine
         else:
-            _skip(step, g)
+            _skip(step, g, world)
 
 
 def _box_shape(box) -> tuple:
@@ -80,7 +79,7 @@ def _all_gather_across(step: Step, pieces, world):
     g = step.groups[0]
     mine = _local(g, world)
     if not mine:
-        _skip(step, g)
+        _skip(step, g, world)
         return {}
     device = lambda r: world.device(dst.placement.type, r)
     size_of = dict(zip(g, step.sizes))
@@ -213,7 +212,7 @@ def _broadcast(step: Step, pieces, world):
                               tuple(step.src.shape), step.src.dtype, step.src.placement.type)
         out.update({r: got[r].to(device(r)) for r in mine if r in step.dst.placement and r not in out})
     else:
-        _skip(step, g)
+        _skip(step, g, world)
     return out
 
 

@@ -130,6 +130,11 @@ class World(ABC):
         return _run("send_recv", self, (transfers, payload, dtype, device_type),
                     lambda: self._send_recv(transfers, payload, dtype, device_type))
 
+    def count(self, op: str, group: tuple, bytes_per_rank: Dict[int, int]) -> None:
+        """A collective of a group this process holds no rank of: counted in gt.comm_stats(), not run."""
+        _run("count", self, (op, group, bytes_per_rank),
+             lambda: stats.record(op, group, bytes_per_rank) if stats.recording() else None)
+
     # -- implementations ----------------------------------------------------------------
     @abstractmethod
     def _all_gather(self, group, pieces, dim, sizes) -> Pieces: ...
