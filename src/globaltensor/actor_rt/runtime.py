@@ -45,8 +45,8 @@ class _Stop(Exception):
 
 
 class Task:
-    __slots__ = ("spec", "name", "k", "regs", "done", "run", "waits_in", "waits_credit", "notify", "sinks",
-                 "cuda_waits", "events", "record_streams", "stream")
+    __slots__ = ("spec", "name", "k", "regs", "done", "waits_in", "waits_credit", "notify", "sinks",
+                 "cuda_waits", "events", "record_streams", "stream", "consumers")
 
     def __init__(self, spec: TaskSpec):
         self.spec, self.name, self.k = spec, spec.name, spec.registers
@@ -59,6 +59,7 @@ class Task:
         self.cuda_waits: list = []     # producers on other CUDA streams
         self.events = None
         self.record_streams: list = []
+        self.consumers: list = []      # the tasks reading its register
 
 
 class Stream:
@@ -161,6 +162,20 @@ class _StreamCode:
         ns[f"_pick{tid}"] = _picker(n.out_slots)
         return f"_pick{tid}(OP{tid}({call}))"
 
+    def releases(self) -> dict:
+        """consumer id -> the tasks of this stream whose register it reads last: once it has run, the
+        slot holds nothing anyone needs, so it is emptied then (the memory goes back as eagerly as
+        in an eager run), not when the next iteration overwrites it. Registers read from other
+        streams are kept until overwritten."""
+        order = {t.spec.id: i for i, t in enumerate(self.stream.tasks)}
+        release: dict = {}
+        for t in self.stream.tasks:
+            if t.waits_credit or t.events is not None:
+                continue
+            last = max((c.spec.id for c in t.consumers), key=order.__getitem__, default=t.spec.id)
+            release.setdefault(last, []).append(t.spec.id)
+        return release
+
     def emit(self, line: str, task=None) -> None:
         self.lines.append("    " + line)
         if task is not None:
@@ -168,6 +183,7 @@ class _StreamCode:
 
     def build(self):
         rt = self.rt
+        release = self.releases()
         for k in self.moduli:
             if k > 1:
                 self.emit(f"s{k} = it % {k}")
@@ -194,6 +210,8 @@ class _StreamCode:
             if rt.timeline_on:
                 self.emit(f"TL.append((SN, {t.name!r}, it, t0, CLOCK()))")
             self.emit(f"T{tid}.done = it + 1")
+            for p in release.get(tid, ()):
+                self.emit(f"T{p}.regs[{self.slot(rt.tasks[p].k)}] = o{p} = None")
             for i, s in enumerate(t.notify):
                 self.ns[f"N{tid}_{i}"] = s.cond
                 self.emit(f"with N{tid}_{i}: N{tid}_{i}.notify_all()")
@@ -261,6 +279,8 @@ class Runtime:
                     t.waits_in.append((self.feed, 0))
                 elif src[0] == "task":
                     p = tasks[src[1]]
+                    if t not in p.consumers:
+                        p.consumers.append(t)
                     if p.stream is not t.stream:
                         t.waits_in.append((p, 0))
                         p.waits_credit.append(t)
