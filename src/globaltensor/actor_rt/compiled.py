@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -114,8 +114,8 @@ def _per_micro_batch(cap: Captured, live: set, m: int) -> Dict[int, bool]:
 
 
 class _Builder:
-    def __init__(self, cap: Captured, m: int, registers, host_rank: int, collective_rank: Optional[int]):
-        self.cap, self.m, self.registers = cap, m, registers
+    def __init__(self, cap: Captured, m: int, host_rank: int, collective_rank: Optional[int]):
+        self.cap, self.m = cap, m
         self.host_rank, self.collective_rank = host_rank, collective_rank
         self.tasks: List[TaskSpec] = []
         self.instance: Dict[Tuple[int, Optional[int]], int] = {}
@@ -161,7 +161,7 @@ class _Builder:
         t = TaskSpec(len(self.tasks), f"mean{self.m}({n.name}.{v.out})", None, None, self.rank_of(n)
                      if n.kind == "op" else (v.rank if v.rank is not None else self.host_rank),
                      "", [("task", self.instance[(v.node, j)], v.out) for j in range(self.m)],
-                     nbytes=v.nbytes)
+                     nbytes=v.nbytes, device=n.device)
         t.stream = f"r{t.rank}:compute"
         self.add(t, (n.segment, self.m - 1, n.index + 0.5))
         self.acc[vid] = t.id
@@ -206,7 +206,7 @@ def _assign_ranks(cap: Captured, live: set) -> None:
                            and nodes[j].rank is not None), None)
 
 
-def _ordering(tasks: List[TaskSpec], order: List[int], external: set, cap: Captured, creator: dict) -> None:
+def _ordering(tasks: List[TaskSpec], order: List[int], external: set, creator: dict) -> None:
     """Read/write hazards on storages, within a call and (state written in place) across calls."""
     last_write: Dict[tuple, int] = {}
     readers: Dict[tuple, List[int]] = {}
@@ -306,7 +306,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     every stream follows the one reference order)."""
     live = _live(cap)
     _assign_ranks(cap, live)
-    b = _Builder(cap, micro_batches, registers, cap.held_ranks[0], collective_rank)
+    b = _Builder(cap, micro_batches, cap.held_ranks[0], collective_rank)
     b.build(live)
     outputs = []
     for o in cap.outputs:
@@ -329,7 +329,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     for v in cap.values.values():
         if v.kind == "node" and v.storage is not None and v.storage not in creator and v.storage not in external:
             creator[v.storage] = (v.node, per_mb.get(v.node, False) and micro_batches > 1)
-    _ordering(tasks, order, external, cap, creator)
+    _ordering(tasks, order, external, creator)
     for t in tasks:
         k = registers(t) if callable(registers) else registers
         if not isinstance(k, int) or k < 1:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import stats
 from ..comm.world import World
 from .layout import intersect, relative, take
 from .plan import Plan, Step
