@@ -50,6 +50,42 @@ def _user_frame() -> str:
     return "an unknown place"
 
 
+def _host_read_error(what: str) -> CaptureError:
+    return CaptureError(f"gt.compile: {what} reads a tensor's value on the host inside the captured function, at "
+                        f"{_user_frame()}; the value would be frozen into the graph. Return the tensor instead "
+                        f"and read it outside.")
+
+
+class _HostReadGuard:
+    """``Tensor.tolist`` / ``numpy`` / ``__array__`` read memory without an aten op the mode could see:
+    while a capture runs they raise (the library's own shape exchanges and suspended work pass)."""
+
+    METHODS = ("tolist", "numpy", "__array__")
+
+    def __init__(self, tracer: "Tracer"):
+        self.tracer = tracer
+        self.saved = {}
+
+    def __enter__(self):
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            self.saved[name] = original
+            setattr(torch.Tensor, name, self._guarded(name, original))
+
+    def _guarded(self, name, original):
+        tracer = self.tracer
+
+        def method(t, *args, **kwargs):
+            if not tracer.suspended and not reading_meta() and not isinstance(t, GlobalTensor):
+                raise _host_read_error(f"Tensor.{name}()")
+            return original(t, *args, **kwargs)
+        return method
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+
 def _data_dependent(func, args, kwargs) -> bool:
     if torch.Tag.dynamic_output_shape not in func.tags:
         return False
@@ -87,7 +123,8 @@ class Tracer(TorchDispatchMode):
         self.vid_of: dict = {}          # id(tensor) -> vid (its latest value)
         self.keep: list = []            # every tensor seen, alive until the capture ends (ids stay unique)
         self.rank_hint: dict = {}       # id(piece) -> rank, for pieces of global tensors not yet seen by an op
-        self.external_storages: set = set()
+        self.external_storages: set = set()     # storages of arguments and state
+        self.state_storages: set = set()
         self.saved: list = []           # (tensor, copy) of what existed before and was written
         self.saved_ids: set = set()
         self.created: list = []         # weakrefs to GlobalTensors made during the capture
@@ -128,6 +165,8 @@ class Tracer(TorchDispatchMode):
             vid = self._new_value(t, kind="state", tensor=t, rank=self.rank_hint.get(id(t)))
         if self.values[vid].storage is not None:
             self.external_storages.add(self.values[vid].storage)
+            if arg is None:
+                self.state_storages.add(self.values[vid].storage)
         return vid
 
     def _label_rank(self, piece, rank: int) -> None:
@@ -187,9 +226,7 @@ class Tracer(TorchDispatchMode):
         if self.suspended:
             return func(*args, **kwargs)
         if func in _HOST_READS and not reading_meta():
-            raise CaptureError(f"gt.compile: {func} reads a tensor's value on the host inside the captured "
-                               f"function, at {_user_frame()}; the value would be frozen into the graph. "
-                               f"Return the tensor instead and read it outside.")
+            raise _host_read_error(str(func))
         if _data_dependent(func, args, kwargs):
             raise CaptureError(f"gt.compile: {func} has an output shape that depends on the data, at "
                                f"{_user_frame()}; a captured graph needs shapes fixed at capture")
@@ -241,7 +278,7 @@ class Tracer(TorchDispatchMode):
         self.nodes.append(node)
         for j, o in enumerate(outs):
             vid = self._new_value(o, kind="node", node=node.index, out=j, rank=rank)
-            if self.values[vid].storage not in self.external_storages:
+            if self.values[vid].storage not in self.state_storages:
                 self.values[vid].nbytes = o.untyped_storage().nbytes()
             node.outs.append(vid)
         return out
@@ -357,7 +394,7 @@ def capture(fn, args: tuple, kwargs: dict, on_leaf=None) -> Captured:
     previous_creation = observe_creation(tracer.created_tensor)
     previous_keys = rng.make_keys_with(tracer.keys)
     try:
-        with stats.paused(), tracer:
+        with stats.paused(), _HostReadGuard(tracer), tracer:
             result = fn(*args, **kwargs)
             out_leaves, out_spec = tree_flatten(result)
             outputs = [tracer.output(leaf) for leaf in out_leaves]

@@ -292,4 +292,4 @@ def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: in
     gradients are all-reduced in buckets of about this size while the backward runs (0: one by
     one when read). ``warmup``: eager calls before the capture, per argument meta.
     """
-    return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory)
+    return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory, streams)

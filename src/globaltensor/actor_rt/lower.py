@@ -76,6 +76,8 @@ def _live(cap: Captured) -> set:
     wanted = [vid for o in cap.outputs for vid in o.refs.values()]
     wanted += [vid for _, _, vid in cap.rebinds] + [v for _, _, refs in cap.grad_rebinds for v in refs.values()]
     work = [values[v].node for v in wanted if values[v].kind == "node"]
+    for v in wanted:                            # an output filled in after it was made (empty, then copy_)
+        work.extend(writers.get(values[v].storage, ()))
     work += [n.index for n in nodes if n.kind == "collective" or set(n.writes) & external]
     live = set()
     while work:
@@ -89,6 +91,8 @@ def _live(cap: Captured) -> set:
                 work.append(values[v].node)
         for s in n.reads:                       # whoever wrote what it reads, before it
             work.extend(w for w in writers.get(s, ()) if w < i)
+        for v in n.outs:                        # and whoever fills its outputs in later
+            work.extend(w for w in writers.get(values[v].storage, ()) if w > i)
     return live
 
 
@@ -145,19 +149,19 @@ class _Builder:
             return ("feed", key)
         producer = v.node
         if self.per_mb[producer]:
-            if mb is None:
+            if mb is None and self.m > 1:
                 return ("task", self.accumulator(vid), 0)
+            if mb is None:
+                return ("task", self.instance[(producer, 0)], v.out)
             return ("task", self.instance[(producer, mb)], v.out)
         return ("task", self.instance[(producer, None)], v.out)
 
     def accumulator(self, vid: int) -> int:
-        """The mean over the micro-batches of a per-micro-batch value (the value itself when m == 1)."""
+        """The task computing the mean over the micro-batches of a per-micro-batch value."""
         if vid in self.acc:
             return self.acc[vid]
         v = self.cap.values[vid]
         n = self.cap.nodes[v.node]
-        if self.m == 1:
-            return self.instance[(v.node, 0)]
         t = TaskSpec(len(self.tasks), f"mean{self.m}({n.name}.{v.out})", None, None, self.rank_of(n)
                      if n.kind == "op" else (v.rank if v.rank is not None else self.host_rank),
                      "", [("task", self.instance[(v.node, j)], v.out) for j in range(self.m)],

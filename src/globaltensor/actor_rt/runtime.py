@@ -426,13 +426,15 @@ class Runtime:
             self.done_cond.notify_all()
 
     def _sample_memory(self) -> None:
-        seen, total = set(), 0
+        """The bytes of the storages the registers hold now, other than state (a view of a parameter
+        costs the registers nothing; a view of an argument keeps the argument alive, and counts)."""
+        seen, total = set(self.external), 0
         for t in self.tasks:
             for slot in t.regs:
                 for o in slot or ():
                     if isinstance(o, torch.Tensor):
                         key = storage_key(o)
-                        if key is not None and key not in seen and key not in self.external:
+                        if key is not None and key not in seen:
                             seen.add(key)
                             total += o.untyped_storage().nbytes()
         self.peak_bytes = max(self.peak_bytes, total)

@@ -1,0 +1,291 @@
+"""gt.compile on training steps (forward, backward, optimizer): after every step the parameters,
+the optimizer state and the returned loss equal those of the same model stepped eagerly.
+
+Both sides are global models from the same init, in float64, fed the same batches; SGD with
+momentum is bit-for-bit the eager update, AdamW runs in its capturable form (tensor bias
+corrections: rounding differences only), hence a 1e-12 relative bound. Also: gt.nn modules with
+Megatron plans on 1-D and 2x2, ZeroOptimizer, dropout in the model, an LR scheduler, and the
+data-parallel gradients reduced in buckets (fewer collectives, the same bytes).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import globaltensor as gt
+import globaltensor.nn as gnn
+from globaltensor.tensor import GlobalTensor
+from nn_models import MEGATRON_1D, MEGATRON_2D, net
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+REL = 1e-12
+
+
+def assert_close_rel(a: GlobalTensor, b: GlobalTensor, what: str, rel: float = REL) -> None:
+    """``a`` (compiled side) equals ``b`` (eager side) in layout, and in value to ``rel`` of b's scale."""
+    assert isinstance(a, GlobalTensor) and isinstance(b, GlobalTensor), what
+    assert a.placement == b.placement and a.sbp == b.sbp, f"{what}: {a.placement} {a.sbp} != {b.placement} {b.sbp}"
+    fa, fb = a.detach().full_tensor(), b.detach().full_tensor()
+    assert fa.shape == fb.shape, what
+    scale = max(fb.abs().max().item(), 1e-30)
+    err = (fa - fb).abs().max().item()
+    assert err <= rel * scale, f"{what}: max |compiled - eager| = {err:.3e}, {err / scale:.3e} of its scale"
+
+
+def assert_states_match(opt_c, opt_e, params_c, params_e, step: int) -> None:
+    for i, (pc, pe) in enumerate(zip(params_c, params_e)):
+        sc, se = opt_c.state.get(pc, {}), opt_e.state.get(pe, {})
+        assert set(sc) == set(se), f"step {step}, param {i}: state keys {set(sc)} != eager {set(se)}"
+        for k, ve in se.items():
+            vc = sc[k]
+            if isinstance(ve, GlobalTensor) and ve.dim() > 0:
+                assert_close_rel(vc, ve, f"step {step}, param {i}, state {k!r}")
+
+
+def train_both(make, batches, steps: int, check_state: bool = True, **compile_kw):
+    """``make()`` -> (module, optimizer, step function); one copy stepped eagerly, one compiled.
+    Checks loss, every parameter and the optimizer state after each step. Returns the compiled fn."""
+    m_e, opt_e, step_e = make()
+    m_c, opt_c, step_c = make()
+    g = gt.compile(step_c, **compile_kw)
+    names = [n for n, _ in m_e.named_parameters()]
+    for s in range(steps):
+        args = batches(s)
+        loss_e, loss_c = step_e(*args), g(*args)
+        assert_close_rel(loss_c, loss_e, f"step {s}: loss")
+        for name, pc, pe in zip(names, m_c.parameters(), m_e.parameters()):
+            assert_close_rel(pc, pe, f"step {s}: parameter {name}")
+        if check_state:
+            assert_states_match(opt_c, opt_e, list(m_c.parameters()), list(m_e.parameters()), s)
+    assert g.captures == 1, f"one meta, one capture; got {g.captures}"
+    return g
+
+
+def _batches(placement, batch_sbp, rows: int = 8, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    data = [torch.randn(rows, 6, generator=gen) for _ in range(8)]
+    return lambda s: (gt.distribute(data[s], placement, batch_sbp),)
+
+
+def _module_maker(placement, plan, optimizer):
+    def make():
+        m = gnn.distribute_module(net(), placement, plan)
+        opt = optimizer(m)
+
+        def step(x):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return m, opt, step
+    return make
+
+
+SGD = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)                    # noqa: E731
+ADAMW = lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)          # noqa: E731
+ZERO_ADAMW = lambda m: gnn.ZeroOptimizer(m.parameters(), torch.optim.AdamW, axis=0, lr=0.01)  # noqa: E731
+ZERO_SGD = lambda m: gnn.ZeroOptimizer(m.parameters(), torch.optim.SGD, axis=0, lr=0.1, momentum=0.9)  # noqa: E731
+
+LAYOUTS = {
+    "data-parallel-1d": ("p1", {}, (S(0),)),
+    "megatron-1d": ("p1", MEGATRON_1D, (B,)),
+    "data-x-megatron-2x2": ("p2", MEGATRON_2D, (S(0), B)),
+}
+OPTIMIZERS = {"sgd-momentum": SGD, "adamw": ADAMW}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_module_training_matches_eager(request, layout, opt_name):
+    placement_name, plan, batch_sbp = LAYOUTS[layout]
+    placement = request.getfixturevalue(placement_name)
+    train_both(_module_maker(placement, plan, OPTIMIZERS[opt_name]), _batches(placement, batch_sbp), steps=4)
+
+
+@pytest.mark.parametrize("opt", [ZERO_ADAMW, ZERO_SGD], ids=["adamw", "sgd-momentum"])
+@pytest.mark.parametrize("layout", ["data-parallel-1d", "data-x-megatron-2x2"])
+def test_zero_optimizer_training_matches_eager(request, layout, opt):
+    placement_name, plan, batch_sbp = LAYOUTS[layout]
+    placement = request.getfixturevalue(placement_name)
+    train_both(_module_maker(placement, plan, opt), _batches(placement, batch_sbp), steps=4)
+
+
+def test_explicit_parameters_adamw(p1):
+    """The README's example: plain weights made global by hand, a loss with a mean over the batch."""
+    torch.manual_seed(0)
+    w0, b0 = torch.randn(8, 4), torch.randn(4)
+
+    def make():
+        m = nn.Module()
+        m.w = nn.Parameter(w0.to_global(placement=p1, sbp=B).clone())
+        m.b = nn.Parameter(b0.to_global(placement=p1, sbp=B).clone())
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def step(x, y):
+            loss = ((x @ m.w + m.b - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return m, opt, step
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(5)]
+    train_both(make, lambda s: tuple(gt.distribute(t, p1, S(0)) for t in data[s]), steps=5)
+
+
+class DropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(6, 12), nn.Linear(12, 3)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("placement_name,plan,batch_sbp", [
+    ("p1", gnn.megatron_plan(column=["up"], row=["down"]), (B,)),
+    ("p2", gnn.megatron_plan(column=["up"], row=["down"], axis=1, ndim=2), (S(0), B)),
+], ids=["megatron-1d", "2x2"])
+def test_dropout_training_matches_eager(request, placement_name, plan, batch_sbp):
+    """Dropout masks inside a compiled training step are the eager steps' masks (same gt seed)."""
+    placement = request.getfixturevalue(placement_name)
+
+    def make():
+        m = gnn.distribute_module(DropNet(), placement, plan)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return m, opt, step
+    m_e, opt_e, step_e = make()
+    m_c, opt_c, step_c = make()
+    g = gt.compile(step_c)
+    batches = _batches(placement, batch_sbp)
+    for s in range(4):
+        x = batches(s)[0]
+        gt.manual_seed(100 + s)
+        loss_e = step_e(x)
+        gt.manual_seed(100 + s)
+        loss_c = g(x)
+        assert_close_rel(loss_c, loss_e, f"step {s}: loss")
+        for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
+            assert_close_rel(pc, pe, f"step {s}: {name}")
+    gt.manual_seed(999)
+    probe = step_e(batches(5)[0])
+    gt.manual_seed(12345)                          # another seed: another mask, another loss
+    other = g(batches(5)[0])
+    assert not torch.allclose(probe.full_tensor(), other.full_tensor(), rtol=1e-9, atol=0), \
+        "the mask follows the seed (it is not frozen at capture)"
+
+
+def test_lr_scheduler_matches_eager(p1):
+    """A scheduler changing lr between compiled steps: each step uses the lr eager's uses."""
+    make = _module_maker(p1, {}, ADAMW)
+    m_e, opt_e, step_e = make()
+    m_c, opt_c, step_c = make()
+    sched_e = torch.optim.lr_scheduler.StepLR(opt_e, step_size=2, gamma=0.5)
+    sched_c = torch.optim.lr_scheduler.StepLR(opt_c, step_size=2, gamma=0.5)
+    g = gt.compile(step_c)
+    batches = _batches(p1, S(0))
+    with pytest.warns(UserWarning, match="hyper-parameters"):
+        for s in range(6):
+            loss_e, loss_c = step_e(*batches(s)), g(*batches(s))
+            assert_close_rel(loss_c, loss_e, f"step {s}: loss")
+            for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
+                assert_close_rel(pc, pe, f"step {s}: {name}")
+            sched_e.step()
+            sched_c.step()
+    assert [gr["lr"] for gr in opt_c.param_groups] == [gr["lr"] for gr in opt_e.param_groups]
+
+
+# -- gradient buckets ----------------------------------------------------------------------------
+def _dp_step_stats(placement, bucket_bytes: int, compiled: bool):
+    """One data-parallel SGD step after two (warm-up, capture), under gt.comm_stats()."""
+    m, opt, step = _module_maker(placement, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))()
+    batches = _batches(placement, S(0))
+    fn = gt.compile(step, bucket_bytes=bucket_bytes) if compiled else step
+    fn(*batches(0))
+    fn(*batches(1))
+    with gt.comm_stats() as st:
+        fn(*batches(2))
+    return m, st
+
+
+def _ideal_all_reduce_bytes(m, p: int) -> float:
+    total = sum(t.numel() * t.element_size() for t in m.parameters())
+    return 2 * (p - 1) / p * total
+
+
+def test_bucketed_gradients_fewer_collectives_same_bytes(p1):
+    m_e, eager = _dp_step_stats(p1, 25 * 2 ** 20, compiled=False)
+    m_c, comp = _dp_step_stats(p1, 25 * 2 ** 20, compiled=True)
+    n_params = len(list(m_c.parameters()))
+    assert set(eager.ops()) == {"all_reduce"} and eager.count == n_params, eager.ops()
+    assert set(comp.ops()) == {"all_reduce"}, comp.ops()
+    assert comp.count < n_params, f"{comp.count} all-reduces for {n_params} gradients: not bucketed"
+    assert comp.count == 1, "every gradient fits one 25 MB bucket"
+    ideal = _ideal_all_reduce_bytes(m_c, 4)
+    # the same payload as eager's all-reduces; only the rounding of each tensor's ring chunks differs
+    assert ideal <= comp.bytes_sent <= eager.bytes_sent, (ideal, comp.bytes_sent, eager.bytes_sent)
+    assert eager.bytes_sent - comp.bytes_sent <= n_params * 2 * 3 * 8, (comp.bytes_sent, eager.bytes_sent)
+    for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
+        assert_close_rel(pc, pe, f"bucketed step: {name}")
+
+
+def test_small_buckets_give_several_all_reduces(p1):
+    m, small = _dp_step_stats(p1, 512, compiled=True)
+    n_params = len(list(m.parameters()))
+    assert 1 < small.count < n_params, small.ops()
+    assert set(small.ops()) == {"all_reduce"}
+
+
+def test_bucket_bytes_zero_reduces_each_gradient(p1):
+    m_e, eager = _dp_step_stats(p1, 0, compiled=False)
+    m_c, comp = _dp_step_stats(p1, 0, compiled=True)
+    n_params = len(list(m_c.parameters()))
+    assert comp.ops() == ["all_reduce"] * n_params, comp.ops()
+    assert comp.bytes_sent == eager.bytes_sent
+    for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
+        assert_close_rel(pc, pe, f"unbucketed step: {name}")
+
+
+def test_bucketed_gradients_left_in_place_equal_eager(p1):
+    """zero_grad at the start: the .grad the compiled call leaves (the bucket's reduced slice)
+    equals eager's, with the parameter's sbp, and behaves as eager's under in-place edits."""
+    def make():
+        m = gnn.distribute_module(net(), p1, {})
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return m, opt, step
+    for bucket_bytes in (25 * 2 ** 20, 0):
+        m_e, _, step_e = make()
+        m_c, _, step_c = make()
+        g = gt.compile(step_c, bucket_bytes=bucket_bytes)
+        batches = _batches(p1, S(0))
+        for s in range(3):
+            step_e(*batches(s))
+            g(*batches(s))
+            for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
+                assert pc.grad is not None, f"bucket_bytes={bucket_bytes}, step {s}: {name}.grad missing"
+                assert pc.grad.sbp == pc.sbp, (name, pc.grad.sbp)
+                assert_close_rel(pc.grad, pe.grad, f"bucket_bytes={bucket_bytes}, step {s}: {name}.grad")
+        with torch.no_grad():
+            for pc, pe in zip(m_c.parameters(), m_e.parameters()):
+                pc.grad.mul_(2.0)
+                pe.grad.mul_(2.0)
+        for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
+            assert_close_rel(pc.grad, pe.grad, f"bucket_bytes={bucket_bytes}: {name}.grad after mul_(2)")
