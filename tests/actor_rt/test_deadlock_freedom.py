@@ -100,7 +100,7 @@ def build(prog, w, others, sbps):
     return fn
 
 
-@settings(max_examples=30, deadline=None, derandomize=False,
+@settings(max_examples=150, deadline=None, derandomize=False,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(prog=programs())

@@ -28,7 +28,7 @@ from ..comm import stats
 from ..comm.world import observe_collectives
 from ..ops import rng
 from ..tensor import GlobalTensor, observe_creation, reading_meta
-from .graph import Captured, Node, Output, Ref, Value
+from .graph import Captured, Node, Output, Ref, StorageRef, Value
 
 aten = torch.ops.aten
 _HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default, aten.item.default}
@@ -123,6 +123,7 @@ class Tracer(TorchDispatchMode):
         self.vid_of: dict = {}          # id(tensor) -> vid (its latest value)
         self.keep: list = []            # every tensor seen, alive until the capture ends (ids stay unique)
         self.rank_hint: dict = {}       # id(piece) -> rank, for pieces of global tensors not yet seen by an op
+        self.storage_vid: dict = {}             # storage -> the latest value living in it
         self.external_storages: set = set()     # storages of arguments and state
         self.state_storages: set = set()
         self.saved: list = []           # (tensor, copy) of what existed before and was written
@@ -151,6 +152,8 @@ class Tracer(TorchDispatchMode):
         v.storage = storage_key(t)
         self.values[vid] = v
         self.vid_of[id(t)] = vid
+        if v.storage is not None:
+            self.storage_vid[v.storage] = vid
         self.keep.append(t)
         return vid
 
@@ -253,6 +256,13 @@ class Tracer(TorchDispatchMode):
             return func(*args, **kwargs)
         written = _written(func, args, kwargs)
         inputs = [self._vid(t) for t in tensors]
+        storages = {}
+        for x in flat:
+            if isinstance(x, torch.UntypedStorage) and x.nbytes():
+                vid = self.storage_vid.get((x.device.type, x.device.index, x.data_ptr()))
+                if vid is not None:
+                    storages[id(x)] = vid
+                    inputs.append(vid)
         self._save_before_write(written)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
@@ -266,7 +276,7 @@ class Tracer(TorchDispatchMode):
             return out
         self._phase()
         rank = next((self.values[v].rank for v in inputs if self.values[v].rank is not None), None)
-        node = Node(len(self.nodes), "op", func, _template((args, kwargs), self._ref), [], slots,
+        node = Node(len(self.nodes), "op", func, _template((args, kwargs), self._ref, storages), [], slots,
                     self._label(str(func).replace("aten.", "")), rank=rank, segment=self.segment,
                     backward=self.backward, inputs=tuple(inputs),
                     reads=tuple({self.values[v].storage for v in inputs} - {None}),
@@ -372,13 +382,16 @@ class Tracer(TorchDispatchMode):
         return out
 
 
-def _template(tree, ref):
-    """``tree`` with every tensor replaced by its Ref (lists and tuples kept, one level deep as aten's)."""
+def _template(tree, ref, storages: dict):
+    """``tree`` with every tensor replaced by its Ref and every storage of a value by a StorageRef
+    (lists and tuples kept, one level deep as aten's)."""
     args, kwargs = tree
 
     def one(v):
         if isinstance(v, torch.Tensor):
             return ref(v)
+        if id(v) in storages:
+            return StorageRef(storages[id(v)])
         if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
             return type(v)(ref(x) if isinstance(x, torch.Tensor) else x for x in v)
         return v

@@ -20,6 +20,12 @@ class Ref:
     vid: int
 
 
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage argument (``set_(storage, ...)``): the storage of the value ``vid`` on every call."""
+    vid: int
+
+
 @dataclass
 class Value:
     vid: int

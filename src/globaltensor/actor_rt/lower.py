@@ -195,7 +195,7 @@ class _Builder:
                 self.add(t, (n.segment, mb if mb is not None else (m - 1 if late else 0), i))
 
 
-def _assign_ranks(cap: Captured, live: set) -> None:
+def _assign_ranks(cap: Captured, live: set, host_rank: int) -> None:
     """Ops made on no rank's piece (a factory inside a boxing) run on the rank of what uses them."""
     values, nodes = cap.values, cap.nodes
     users: Dict[int, List[int]] = {}
@@ -208,6 +208,11 @@ def _assign_ranks(cap: Captured, live: set) -> None:
         if n.kind == "op" and n.rank is None:
             n.rank = next((nodes[j].rank for j in sorted(users.get(i, ())) if nodes[j].kind == "op"
                            and nodes[j].rank is not None), None)
+    for i in sorted(live):                      # else the rank of what it reads, else the host's
+        n = nodes[i]
+        if n.kind == "op" and n.rank is None:
+            ranks = [values[v].rank if values[v].kind != "node" else nodes[values[v].node].rank for v in n.inputs]
+            n.rank = next((r for r in ranks if r is not None), host_rank)
 
 
 def _ordering(tasks: List[TaskSpec], order: List[int], external: set, creator: dict) -> None:
@@ -309,7 +314,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     names the stream of each task instead of its rank and kind (any assignment is deadlock-free:
     every stream follows the one reference order)."""
     live = _live(cap)
-    _assign_ranks(cap, live)
+    _assign_ranks(cap, live, cap.held_ranks[0])
     b = _Builder(cap, micro_batches, cap.held_ranks[0], collective_rank)
     b.build(live)
     outputs = []

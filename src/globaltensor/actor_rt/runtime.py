@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import get_world
 from .capture import storage_key
-from .graph import Ref
+from .graph import Ref, StorageRef
 from .lower import Program, TaskSpec
 
 
@@ -146,6 +146,8 @@ class _StreamCode:
         def one(v):
             if isinstance(v, Ref):
                 return by_vid[v.vid]
+            if isinstance(v, StorageRef):
+                return f"{by_vid[v.vid]}.untyped_storage()"
             if isinstance(v, (list, tuple)) and any(isinstance(x, Ref) for x in v):
                 inner = ", ".join(one(x) for x in v)
                 return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
@@ -268,6 +270,9 @@ class Runtime:
         self.inline = max(cpu, key=lambda s: len(s.tasks)) if cpu else None
         self.feed.notify = list({id(c.stream): c.stream for c in self.feed.consumers
                                  if c.stream is not self.inline}.values())
+        for t in self.inline.tasks if self.inline is not None else ():   # the feed is filled on this thread
+            t.waits_in = [(p, d) for p, d in t.waits_in if p is not self.feed]
+            t.notify = [s for s in t.notify if s is not self.feed]
 
     def _wire(self) -> None:
         tasks = self.tasks
@@ -293,6 +298,7 @@ class Runtime:
                     t.waits_in.append((p, delay))
                     if t.stream.device is not None and p.stream.device is not None:
                         t.cuda_waits.append(p)
+                        p.events = p.events or [None] * p.k
         for t in tasks:
             t.waits_in = list(dict.fromkeys(t.waits_in))
             t.waits_credit = list(dict.fromkeys(t.waits_credit))
@@ -305,7 +311,7 @@ class Runtime:
             if any(p is self.feed for p, _ in t.waits_in):
                 t.notify.append(self.feed)
             if t.record_streams:
-                t.events = [None] * t.k
+                t.events = t.events or [None] * t.k
         for t in tasks:
             t.notify = list({id(s): s for s in t.notify if s is not t.stream}.values())
 
