@@ -463,23 +463,16 @@ class Runtime:
         for s in self.streams.values():
             if s is not inline:
                 s.jobs.put((base, base + n, ready))
-        feed = self.feed
         with torch.no_grad():
-            for i, values in enumerate(feeds):
+            filled = 0
+            for i in range(n):
                 it = base + i
-                need = it + 1 - feed.k
-                for c in feed.consumers:
-                    if c.done < need:
-                        with feed.cond:
-                            while c.done < need and self.failed is None:
-                                feed.cond.wait()
+                while filled <= i or (filled < n and self._feed_free(base + filled)):
+                    if not self._fill(base + filled, feeds[filled]):
+                        break
+                    filled += 1
                 if self.failed is not None:
                     break
-                feed.regs[it % feed.k] = values
-                feed.done = it + 1
-                for s in feed.notify:
-                    with s.cond:
-                        s.cond.notify_all()
                 if inline is not None:
                     try:
                         inline.code(it, self.results)
@@ -503,8 +496,30 @@ class Runtime:
         self.results = {}
         for t in self.tasks:
             t.regs = [None] * t.k
-        feed.regs = [None] * feed.k
+        self.feed.regs = [None] * self.feed.k
         return results
+
+    def _feed_free(self, it: int) -> bool:
+        need = it + 1 - self.feed.k
+        return all(c.done >= need for c in self.feed.consumers)
+
+    def _fill(self, it: int, values: list) -> bool:
+        """Put iteration ``it``'s arguments into the feed once its register is free (False: failed).
+        The feed runs ahead of the caller's own stream as far as its registers allow, so other
+        streams are not held back while the caller's stream waits within an iteration."""
+        feed = self.feed
+        if not self._feed_free(it):
+            with feed.cond:
+                while not self._feed_free(it) and self.failed is None:
+                    feed.cond.wait()
+        if self.failed is not None:
+            return False
+        feed.regs[it % feed.k] = values
+        feed.done = it + 1
+        for s in feed.notify:
+            with s.cond:
+                s.cond.notify_all()
+        return True
 
     def _raise(self):
         e, t = self.failed
