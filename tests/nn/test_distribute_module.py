@@ -10,7 +10,7 @@ from torch import nn
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_1D, MEGATRON_2D, net, train_side_by_side
+from nn_models import MEGATRON_1D, MEGATRON_2D, TOL, net, train_side_by_side
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
@@ -126,16 +126,16 @@ def test_tied_parameters_stay_tied(p1):
 
 
 def test_forward_and_backward_match_single_device(p2):
-    ref, m = net(), net()
+    ref, m = net().double(), net().double()
     gnn.distribute_module(m, p2, MEGATRON_2D)
-    x = torch.randn(8, 6)
+    x = torch.randn(8, 6, dtype=torch.float64)
     ref(x).square().sum().backward()
     out = m(gt.distribute(x, p2, (S(0), B)))
-    torch.testing.assert_close(out.full_tensor(), ref(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.full_tensor(), ref(x), **TOL)
     out.square().sum().backward()
     for (name, prm), want in zip(m.named_parameters(), ref.parameters()):
         assert prm.grad.sbp == prm.sbp, name
-        torch.testing.assert_close(prm.grad.full_tensor(), want.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(prm.grad.full_tensor(), want.grad, **TOL, msg=name)
 
 
 def test_redistributing_a_global_module(p1, p2):
@@ -206,14 +206,14 @@ def test_optimizers_work_unchanged(world4, name, foreach, layout):
     plan = MEGATRON_1D if layout == "1d-megatron" else MEGATRON_2D
     batch = B if layout == "1d-megatron" else (S(0), B)
     cls, kw = OPTIMIZERS[name]
-    ref, m = net(), net()
+    ref, m = net().double(), net().double()
     gnn.distribute_module(m, placement, plan)
     opt_ref = cls(ref.parameters(), foreach=foreach, **kw)
     opt = cls(m.parameters(), foreach=foreach, **kw)
     train_side_by_side(ref, m, opt_ref, opt, placement, batch, steps=3)
     for (pname, prm), want in zip(m.named_parameters(), ref.parameters()):
         assert prm.grad is None
-        torch.testing.assert_close(prm.full_tensor(), want, rtol=1e-4, atol=1e-5, msg=pname)
+        torch.testing.assert_close(prm.full_tensor(), want, **TOL, msg=pname)
         for key, value in opt.state[prm].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 assert isinstance(value, GlobalTensor) and value.sbp == prm.sbp, (pname, key)

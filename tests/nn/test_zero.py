@@ -11,7 +11,7 @@ import torch
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_2D, net, train_side_by_side
+from nn_models import MEGATRON_2D, TOL, net, train_side_by_side
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 LAYOUTS = {"data-1d": ("p1", {}, S(0)), "data-x-tensor-2x2": ("p2", MEGATRON_2D, (S(0), B))}
@@ -43,10 +43,10 @@ def _two_groups(m) -> list:
 
 def _pair(layout, cls, kw, groups=_two_groups, axis=0):
     """A single-device net with ``cls`` and a distributed one with ZeroOptimizer over ``cls`` on
-    ``axis``, from the same init, each optimizer over ``groups(net)``. Returns (reference, model,
-    their optimizers)."""
+    ``axis``, from the same init, in float64 (see nn_models.TOL), each optimizer over ``groups(net)``.
+    Returns (reference, model, their optimizers)."""
     placement, plan, _ = layout
-    ref, m = net(), net()
+    ref, m = net().double(), net().double()
     gnn.distribute_module(m, placement, plan)
     return ref, m, cls(groups(ref), **kw), gnn.ZeroOptimizer(groups(m), cls, axis=axis, **kw)
 
@@ -59,7 +59,7 @@ def _train_and_compare(layout, ref, m, opt_ref, opt, steps=2):
     placement, _, batch_sbp = layout
     train_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps)
     for (name, prm), want in zip(m.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(prm.full_tensor(), want, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(prm.full_tensor(), want, **TOL, msg=name)
 
 
 def _train(placement, plan, batch_sbp, cls, kw, steps=3, zero_axis=0):

@@ -1,6 +1,7 @@
 """Train examples/gpt.py's GPT on global tensors beside the same model on one device."""
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,15 @@ from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch  # noqa: E402
 S, B = gt.sbp.split, gt.sbp.broadcast
 CFG = GPTConfig()                      # vocab 64, d 32, 4 heads, 2 layers, block 16
 BATCH, SEQ = 8, 16
-TOL = dict(rtol=1e-4, atol=1e-5)
+# Runs are compared in float64 (models initialised in float32, then converted); they differ by the
+# order of sums only (split matmuls, all-reduces). A gradient entry sums n <= ~128 terms of size
+# <= ~0.2, so it differs by d <= n * u * 0.2 = 3e-15 at worst (u = 1.1e-16). SGD moves parameters
+# by lr * d; Adam/AdamW, dividing by sqrt(v) + eps, by up to lr * d / eps = 1e-2 / 1e-6 * d = 3e-11
+# where a gradient is below eps (zero in exact arithmetic, like the key bias's): ~1e-10 over the
+# steps here. TOL is ~10x that (examples/demo.py's TOLERANCE says more). In float32 (u = 6e-8) the
+# same path gives ~1e-5, the size of the rounding differences between CPUs (vector widths), so no
+# float32 tolerance both holds on every machine and catches a real fault.
+TOL = dict(rtol=1e-9, atol=1e-9)
 
 
 def megatron(axis: int = 0, ndim: int = 1) -> dict:
@@ -40,13 +49,12 @@ class Run:
 def train_side_by_side(placement, plan, batch_sbp, optimizer: Tuple[type, dict], *, zero_axis: Optional[int] = None,
                        steps: int = 3, cfg: GPTConfig = CFG) -> Run:
     """``steps`` steps of the distributed model and of the single-device reference from the same init
-    and data. Checks each step: the losses agree, every gradient equals the reference's and has its
-    parameter's sbp (with ``zero_axis``: every shard's gradient has its shard's sbp); at the end
-    every parameter equals the reference's."""
+    and data, in float64 (see TOL). Checks each step: the losses agree, every gradient equals the
+    reference's and has its parameter's sbp (with ``zero_axis``: every shard's gradient has its
+    shard's sbp); at the end every parameter equals the reference's."""
     torch.manual_seed(0)
-    model = GPT(cfg)
-    reference = GPT(cfg)
-    reference.load_state_dict(model.state_dict())
+    model = GPT(cfg).double()
+    reference = copy.deepcopy(model)
     gnn.distribute_module(model, placement, plan)
     cls, kwargs = optimizer
     ref_opt = cls(reference.parameters(), **kwargs)
@@ -90,6 +98,5 @@ def _check_grads(names, params, ref_params, step) -> None:
         g = p.grad
         assert isinstance(g, GlobalTensor), f"step {step}: {name} has no global gradient ({type(g).__name__})"
         assert g.sbp == p.sbp, f"step {step}: {name}.grad has sbp {g.sbp}, its parameter {p.sbp}"
-        torch.testing.assert_close(g.full_tensor(), q.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"step {step}: gradient of {name}: {m}")
+        torch.testing.assert_close(g.full_tensor(), q.grad, **TOL, msg=lambda m: f"step {step}: gradient of {name}: {m}")
 

@@ -55,6 +55,12 @@ def _slab_bytes(shape: tuple, dim: int, dtype) -> int:
     return numel(shape[:dim] + shape[dim + 1:]) * _itemsize(dtype)
 
 
+def all_reduce_bytes(group: tuple, numel: int, itemsize: int) -> Dict[int, int]:
+    """Bytes each member sends in a ring all-reduce of ``numel`` elements: twice a reduce-scatter's."""
+    chunk = [s * itemsize for s in balanced_sizes(numel, len(group))]
+    return {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()}
+
+
 class World(ABC):
     size: int
     local_ranks: tuple
@@ -91,8 +97,7 @@ class World(ABC):
     def all_reduce(self, group: tuple, pieces: Pieces) -> Pieces:
         """Every member gets the sum of the members' tensors."""
         t = next(iter(pieces.values()))
-        chunk = [s * t.element_size() for s in balanced_sizes(t.numel(), len(group))]
-        stats.record("all_reduce", group, {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()})
+        stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
         return _run("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces))
 
     def all_to_all(self, group: tuple, chunks: Dict[int, List[torch.Tensor]], shapes: Sequence[Sequence[tuple]],

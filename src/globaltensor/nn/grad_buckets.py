@@ -20,6 +20,8 @@ import torch
 
 from ..boxing.layout import axis_groups
 from ..comm import get_world
+from ..comm.world import all_reduce_bytes
+from ..sbp.shape import numel as numel_of
 from ..tensor import GlobalTensor, gradient_layout
 
 _raw_grad = torch._C.TensorBase.grad
@@ -93,6 +95,9 @@ class GradBuckets:
             mine = [r for r in group if world.holds(r)]
             if mine:
                 reduced.update(world.all_reduce(group, {r: flat[r] for r in mine}))
+            else:                               # counted on every process, as the boxing executor does
+                numel = sum(numel_of(g._layout.piece_shape(group[0])) for _, g, _ in entries)
+                world.count("all_reduce", group, all_reduce_bytes(group, numel, dtype.itemsize))
         offset = dict.fromkeys(held, 0)
         for p, g, want in entries:
             pieces = {}

@@ -1,0 +1,145 @@
+"""gt.compile in a process world: 4 launched gloo processes, each running its own rank's tasks.
+
+One launch of ``_compiled_program.py equal`` runs, on every rank side by side, the eager and the
+compiled version of forwards with boxing (1-D and 2x2, uneven sizes), training steps (SGD with
+momentum, AdamW, ZeroOptimizer; a Megatron-planned MLP and hand-placed parameters on a 2x2 data x
+tensor placement), dropout, ``g.pipeline`` and 2-stage pipeline parallelism with
+``micro_batches=4``; every rank compares its own pieces and reports one record per section.
+
+Three more launches fail on purpose: an op raising in the graph on every rank (a GraphError on
+every rank within seconds, a recapture that works, then a non-zero exit naming the op), on rank 0
+only while its peers wait in an all-gather (rank 0's process dies of its GraphError; the others
+leave the all-gather with a GraphError naming the collective, well before the collective
+timeout), and on rank 0 only with rank 0 staying alive (the others fail after the collective
+timeout, naming the collective).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+PROGRAM = Path(__file__).with_name("_compiled_program.py")
+RECORD = re.compile(r"^\[rank (\d+)\] GT (.*)$")
+N = 4
+OP = "gt_mp_compiled.maybe_fail"
+SECTIONS = {  # section -> the fewest checks a rank must have run in it
+    "forward_1d": 20, "forward_2x2": 20, "training": 300, "hand_placed": 40, "dropout": 40,
+    "pipeline": 40, "pipeline_parallel": 30,
+}
+PROMPT_S = 10          # "within seconds"
+
+
+def records(result) -> dict:
+    """``{(section, rank): record}`` from the job's ``GT {json}`` lines."""
+    out = {}
+    for line in result.stdout.splitlines():
+        m = RECORD.match(line)
+        if m:
+            rec = json.loads(m.group(2))
+            out[(rec["section"], int(m.group(1)))] = rec
+    return out
+
+
+def section_problems(recs: dict, name: str, min_checks: int) -> list:
+    """What is wrong with a section's records: a rank that never finished it, raised, failed checks."""
+    problems = []
+    counts = set()
+    for r in range(N):
+        rec = recs.get((name, r))
+        if rec is None:
+            problems.append(f"{name}: rank {r} never finished the section")
+        elif "error" in rec:
+            problems.append(f"{name}: rank {r} raised:\n{rec['error']}")
+        else:
+            problems += [f"{name}: rank {r}: {f}" for f in rec["failures"]]
+            if rec["checks"] < min_checks:
+                problems.append(f"{name}: rank {r} ran {rec['checks']} checks, expected at least {min_checks}")
+            counts.add(rec["checks"])
+    if len(counts) > 1:
+        problems.append(f"{name}: the ranks ran different numbers of checks: {sorted(counts)}")
+    return problems
+
+
+def test_compiled_equals_eager_on_4_processes(launch):
+    job = launch(PROGRAM, N, args=["equal"], check=False, timeout=150)
+    recs = records(job)
+    problems = [] if job.returncode == 0 else [f"the job exited with {job.returncode}"]
+    for name, min_checks in SECTIONS.items():
+        problems += section_problems(recs, name, min_checks)
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:60]) + "\n\n" + job.describe()
+
+
+def _error_records(job, section: str) -> dict:
+    recs = records(job)
+    missing = [r for r in range(N) if (section, r) not in recs]
+    assert not missing, f"ranks {missing} never reported how the failing call ended\n" + job.describe()
+    return {r: recs[(section, r)] for r in range(N)}
+
+
+def _assert_op_error(rec: dict, rank: int, job) -> None:
+    """The record of a call that failed in the custom op on ``rank``: a GraphError naming op and rank."""
+    msg = rec["graph_error"]
+    assert msg is not None, f"rank {rank}: expected gt.GraphError, got {rec['other']}\n" + job.describe()
+    assert OP in msg and f"rank {rank}" in msg and "injected failure" in msg, \
+        f"rank {rank}: the GraphError does not name the op, the rank and the op's message: {msg}"
+    assert rec["cause"] == "InjectedFailure", f"rank {rank}: the op's exception is not chained: {rec['cause']}"
+    assert rec["seconds"] < PROMPT_S, f"rank {rank}: the GraphError took {rec['seconds']} s"
+
+
+def _assert_collective_error(rec: dict, rank: int, job) -> None:
+    """The record of a rank left waiting in the all-gather: a GraphError naming the collective and rank."""
+    msg = rec["graph_error"]
+    assert msg is not None, f"rank {rank}: expected gt.GraphError, got {rec['other']}\n" + job.describe()
+    assert f"globaltensor: rank {rank}: collective all_gather over ranks [0, 1, 2, 3] failed" in msg, \
+        f"rank {rank}: the GraphError does not name the collective and the rank: {msg}"
+    assert re.search(rf"task \S*all_gather\S*@r{rank} \(op all_gather, rank {rank}\)", msg), \
+        f"rank {rank}: the GraphError does not name the collective's task: {msg}"
+    assert OP not in msg, f"rank {rank}: its own op did not fail, but the error says so: {msg}"
+
+
+def test_op_raising_on_every_rank_is_a_graph_error_on_every_rank(launch):
+    job = launch(PROGRAM, N, args=["fail-all"], check=False, timeout=90)
+    errors = _error_records(job, "fail_all_error")
+    for r, rec in errors.items():
+        _assert_op_error(rec, r, job)
+    problems = section_problems(records(job), "fail_all", 5)     # the recapture after the failure
+    assert not problems, "\n".join(problems) + "\n\n" + job.describe()
+    # then the op fails again and the GraphError is left uncaught: the job fails, naming the op
+    assert job.returncode == 1, "expected exit code 1\n" + job.describe()
+    assert re.search(r"globaltensor\.launch: rank \d exited with code 1", job.stderr), job.describe()
+    assert re.search(rf"GraphError: globaltensor: task \S+ \(op {re.escape(OP)}\.default, rank \d\) raised in the "
+                     rf"compiled graph: InjectedFailure", job.stderr), job.describe()
+    assert "not_reached" not in job.stdout, job.describe()
+
+
+def test_op_raising_on_rank_0_only_fails_the_others_once_rank_0_exits(launch):
+    timeout_s = 20
+    job = launch(PROGRAM, N, args=["fail-rank0"], check=False, collective_timeout=timeout_s, timeout=90,
+                 launcher_args=["--grace", "15"])
+    errors = _error_records(job, "fail_rank0_error")
+    _assert_op_error(errors[0], 0, job)
+    for r in range(1, N):
+        _assert_collective_error(errors[r], r, job)
+        # they leave when rank 0's process is gone, not at the collective timeout
+        assert errors[r]["seconds"] < timeout_s - 5, \
+            f"rank {r} waited {errors[r]['seconds']} s in the all-gather\n" + job.describe()
+    assert job.returncode == 1, job.describe()
+    assert "globaltensor.launch: rank 0 exited with code 1" in job.stderr, job.describe()
+    assert job.elapsed < 60, f"the job took {job.elapsed:.1f} s\n" + job.describe()
+
+
+def test_op_raising_on_rank_0_alive_fails_the_others_at_the_collective_timeout(launch):
+    timeout_s = 6
+    job = launch(PROGRAM, N, args=["fail-rank0-alive"], check=False, collective_timeout=timeout_s, timeout=90,
+                 launcher_args=["--grace", "15"])
+    errors = _error_records(job, "fail_rank0_error")
+    _assert_op_error(errors[0], 0, job)
+    for r in range(1, N):
+        _assert_collective_error(errors[r], r, job)
+        assert timeout_s - 1 <= errors[r]["seconds"] < timeout_s + PROMPT_S, \
+            f"rank {r} left the all-gather after {errors[r]['seconds']} s (timeout {timeout_s} s)\n" + job.describe()
+    assert job.returncode == 1, job.describe()
+    assert re.search(r"globaltensor\.launch: rank [123] exited with code 1; terminated ranks \[0", job.stderr), \
+        job.describe()
+    assert job.elapsed < 60, f"the job took {job.elapsed:.1f} s (rank 0 sleeps 90 s)\n" + job.describe()
