@@ -21,6 +21,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/boxing.py
 	$(PY) benchmarks/eager_overhead.py
 	$(PY) benchmarks/tp_mlp.py
+	$(PY) benchmarks/actor_runtime.py
 
 clean:
 	rm -rf .venv
