@@ -28,6 +28,7 @@ checks that the compiled version computes what its peer computes before it is ti
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,7 +43,10 @@ N_OPS = 3 * CHAIN
 # 3. the GPT
 GPT_EMBD, GPT_LAYERS, GPT_HEADS, GPT_BATCH, GPT_SEQ, GPT_VOCAB, GPT_LR = 256, 4, 4, 16, 64, 64, 0.1
 # 4. the pipeline
-PP_D, PP_HID, PP_MB, PP_M, PP_LR = 512, 2048, 16, 16, 0.01   # micro-batches of 16 rows, 16 of them
+# 16 micro-batches of PP_MB rows; 128 rows (~3 ms of compute per stage and micro-batch) is where compute
+# dominates a hand-off between threads (~0.1-2 ms on 2 busy cores); --pp-rows 16 shows the latency-bound case
+PP_D, PP_HID, PP_M, PP_LR = 512, 2048, 16, 0.01
+PP_MB = int(os.environ.get("GT_BENCH_PP_ROWS", "128"))
 
 
 def _cfg(part: str, quick: bool) -> dict:
@@ -528,7 +532,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)}")
+    ap.add_argument("--pp-rows", type=int, default=PP_MB, help="rows per pipeline micro-batch (default %(default)s)")
     args = ap.parse_args(argv)
+    os.environ["GT_BENCH_PP_ROWS"] = str(args.pp_rows)     # the spawned workers read it
+    globals()["PP_MB"] = args.pp_rows
     parts = [s for s in args.only.split(",") if s]
     if any(s not in PARTS for s in parts):
         ap.error(f"--only: expected parts of {PARTS}, got {args.only!r}")

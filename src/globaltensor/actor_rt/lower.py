@@ -17,7 +17,8 @@ call's optimizer update): *delayed* edges.
 With ``micro_batches=m`` the ops that depend on a batch argument (everything up to the end of the
 last backward, and what after it derives from the forward) run once per micro-batch; the rest
 (the optimizer step, ``zero_grad``) once per call. A value crossing from the first kind to the
-second (a gradient, the returned loss) is the mean over the micro-batches: an *accumulator* task.
+second (a gradient, the returned loss) is the mean over the micro-batches: a chain of *fold*
+tasks, each adding one micro-batch's value as soon as it is made.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class CompileError(RuntimeError):
 class TaskSpec:
     id: int
     name: str
-    node: Optional[Node]            # None: an accumulator
+    node: Optional[Node]            # None: an accumulator (fold)
     mb: Optional[int]               # the micro-batch (None: once per call)
     rank: int
     stream: str
@@ -46,6 +47,7 @@ class TaskSpec:
     nbytes: int = 0                 # bytes one register of its outputs holds
     n_out: int = 1
     device: object = None
+    fold: Optional[Tuple[int, int]] = None     # an accumulator: (micro-batch j, of m)
 
 
 @dataclass
@@ -157,20 +159,24 @@ class _Builder:
         return ("task", self.instance[(producer, None)], v.out)
 
     def accumulator(self, vid: int) -> int:
-        """The task computing the mean over the micro-batches of a per-micro-batch value."""
+        """The task giving the mean over the micro-batches of a per-micro-batch value: a chain of
+        folds, fold ``j`` adding micro-batch ``j``'s value as soon as it exists (the last one also
+        divides), so each micro-batch's value is let go early and no sum waits for the end."""
         if vid in self.acc:
             return self.acc[vid]
         v = self.cap.values[vid]
         n = self.cap.nodes[v.node]
-        t = TaskSpec(len(self.tasks), f"mean{self.m}({n.name}.{v.out})", None, None, self.rank_of(n)
-                     if n.kind == "op" else (v.rank if v.rank is not None else self.host_rank),
-                     "", [("task", self.instance[(v.node, j)], v.out) for j in range(self.m)],
-                     nbytes=v.nbytes, device=n.device)
-        t.stream = f"r{t.rank}:compute"
-        self.add(t, (n.segment, self.m - 1, n.index + 0.5))
-        self.acc[vid] = t.id
-        self.late.add(t.id)
-        return t.id
+        rank = self.rank_of(n) if n.kind == "op" else (v.rank if v.rank is not None else self.host_rank)
+        previous = ("task", self.instance[(v.node, 0)], v.out)
+        for j in range(1, self.m):
+            t = TaskSpec(len(self.tasks), f"fold{j}/{self.m}({n.name}.{v.out})", None, None, rank,
+                         f"r{rank}:compute", [previous, ("task", self.instance[(v.node, j)], v.out)],
+                         nbytes=v.nbytes, device=n.device, fold=(j, self.m))
+            self.add(t, (n.segment, j, n.index + 0.5))
+            self.late.add(t.id)
+            previous = ("task", t.id, 0)
+        self.acc[vid] = previous[1]
+        return previous[1]
 
     def add(self, t: TaskSpec, key: tuple) -> None:
         self.tasks.append(t)

@@ -86,13 +86,12 @@ class Feed:
         self.consumers: list = []
 
 
-def _mean(*xs):
-    if not (xs[0].is_floating_point() or xs[0].is_complex()):
-        return xs[-1]
-    out = xs[0] + xs[1]
-    for x in xs[2:]:
-        out.add_(x)
-    return out.div_(len(xs))
+def _fold(acc, x, j: int, m: int):
+    """Step ``j`` of the mean over ``m`` micro-batches: ``acc`` holds the sum of the ones before."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return x                                 # counts and indices: the last micro-batch's
+    out = acc + x if j == 1 else acc.add_(x)
+    return out.div_(m) if j == m - 1 else out
 
 
 def _constant(v, namespace: dict) -> str:
@@ -114,7 +113,7 @@ class _StreamCode:
 
     def __init__(self, runtime: "Runtime", stream: "Stream"):
         self.rt, self.stream = runtime, stream
-        self.ns = {"_mean": _mean, "_flat": tree_flatten, "_unflat": tree_unflatten, "F": runtime.feed,
+        self.ns = {"_fold": _fold, "_flat": tree_flatten, "_unflat": tree_unflatten, "F": runtime.feed,
                    "CLOCK": time.perf_counter, "TL": runtime.timeline, "SN": stream.name}
         self.lines: list = []
         self.line_task: dict = {}
@@ -139,7 +138,8 @@ class _StreamCode:
     def call(self, t: "Task") -> str:
         spec, ns, tid = t.spec, self.ns, t.spec.id
         if spec.node is None:
-            return f"(_mean({', '.join(self.expr(x) for x in spec.inputs)}),)"
+            acc, x = (self.expr(src) for src in spec.inputs)
+            return f"(_fold({acc}, {x}, {spec.fold[0]}, {spec.fold[1]}),)"
         n = spec.node
         by_vid = {vid: self.expr(src) for vid, src in zip(n.inputs, spec.inputs)}
 
@@ -524,6 +524,6 @@ class Runtime:
     def _raise(self):
         e, t = self.failed
         self.close()
-        where = f"task {t.name} (op {t.spec.node.label if t.spec.node is not None else 'mean'}, rank {t.spec.rank})" \
+        where = f"task {t.name} (op {t.spec.node.label if t.spec.node is not None else 'mean over micro-batches'}, rank {t.spec.rank})" \
             if t is not None else "a task"
         raise GraphError(f"globaltensor: {where} raised in the compiled graph: {type(e).__name__}: {e}") from e
