@@ -274,8 +274,11 @@ def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
     the collective instead of going on with the backward. Each task downstream of a collective
     gets a deadline: the earliest position of anything that needs it (another collective, or a
     task that is not downstream of one) -- never later than its consumers. A topological sort by
-    (deadline, position) then runs the work that feeds the next collective first and postpones
-    the rest. Collectives keep their positions, so every rank still issues them in capture order.
+    (deadline, the latest collective it waits for, position) then runs the work that feeds the
+    next collective first, postpones the rest, and among what nothing waits for (an optimizer's
+    updates) takes first what the earliest collectives made ready: the parameters of the first
+    gradient bucket are updated while the last bucket is still being reduced. Collectives keep
+    their positions, so every rank still issues them in capture order.
     """
     pos = {tid: p for p, tid in enumerate(order)}
     succ: Dict[int, List[int]] = {tid: [] for tid in order}
@@ -287,10 +290,11 @@ def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
         preds[t.id].update(d for d, delay in t.deps if delay == 0)
         for p in preds[t.id]:
             succ[p].append(t.id)
+    def is_collective(tid: int) -> bool:
+        return tasks[tid].node is not None and tasks[tid].node.kind == "collective"
     downstream = set()
     for tid in order:
-        if any(tasks[p].node is not None and tasks[p].node.kind == "collective" or p in downstream
-               for p in preds[tid]) and not (tasks[tid].node is not None and tasks[tid].node.kind == "collective"):
+        if not is_collective(tid) and any(is_collective(p) or p in downstream for p in preds[tid]):
             downstream.add(tid)
     deadline: Dict[int, float] = {}
     for tid in reversed(order):
@@ -298,17 +302,21 @@ def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
             deadline[tid] = min((deadline[c] for c in succ[tid]), default=float("inf"))
         else:
             deadline[tid] = pos[tid]
+    gate: Dict[int, int] = {}                   # the latest collective it waits for (-1: none)
+    for tid in order:
+        gate[tid] = max([pos[tid] if is_collective(tid) else -1] + [gate[p] for p in preds[tid]])
+    key = {tid: (deadline[tid], gate[tid], pos[tid], tid) for tid in order}
     waiting = {tid: len(preds[tid]) for tid in order}
-    ready = [(deadline[tid], pos[tid], tid) for tid in order if not waiting[tid]]
+    ready = [key[tid] for tid in order if not waiting[tid]]
     heapq.heapify(ready)
     out = []
     while ready:
-        _, _, tid = heapq.heappop(ready)
+        tid = heapq.heappop(ready)[-1]
         out.append(tid)
         for c in succ[tid]:
             waiting[c] -= 1
             if not waiting[c]:
-                heapq.heappush(ready, (deadline[c], pos[c], c))
+                heapq.heappush(ready, key[c])
     if len(out) != len(order):
         raise CompileError("gt.compile: the captured graph has a cycle")
     return out

@@ -383,23 +383,21 @@ class Runtime:
         return lambda it, outs: self._cuda_publish(t, it, outs)
 
     def _wait(self, stream: Stream, t: Task, it: int) -> None:
-        cond = stream.cond
+        """Until every input of iteration ``it`` is ready and a register is free (ready, then ack)."""
         for p, delay in t.waits_in:
-            need = it + 1 - delay
-            if p.done < need:
-                with cond:
-                    while p.done < need:
-                        if self.failed is not None:
-                            raise _Stop
-                        cond.wait()
-        need = it + 1 - t.k
+            self._await(stream.cond, p, it + 1 - delay)
         for c in t.waits_credit:
-            if c.done < need:
-                with cond:
-                    while c.done < need:
-                        if self.failed is not None:
-                            raise _Stop
-                        cond.wait()
+            self._await(stream.cond, c, it + 1 - t.k)
+
+    def _await(self, cond: threading.Condition, task, done: int) -> None:
+        """Sleep on ``cond`` until ``task`` has finished ``done`` iterations (or the graph failed)."""
+        if task.done >= done:
+            return
+        with cond:
+            while task.done < done:
+                if self.failed is not None:
+                    raise _Stop
+                cond.wait()
 
     def _cuda_wait(self, t: Task, it: int) -> None:
         current = torch.cuda.current_stream()
