@@ -124,12 +124,10 @@ def _worker_ops(rank: int, world: int, quick: bool):
 # ------------------------------------------------------------------------------------ 2. TP MLP
 def _worker_tp(rank: int, world: int, quick: bool, check_steps: int = 4):
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
-    import torch.nn.functional as F
 
     import globaltensor as gt
-    from tp_mlp import BATCH, D_HID, D_IN, LR
+    from tp_mlp import BATCH, D_HID, D_IN, LR, hand_written_step
 
     S, B = gt.sbp.split, gt.sbp.broadcast
 
@@ -166,46 +164,7 @@ def _worker_tp(rank: int, world: int, quick: bool, check_steps: int = 4):
     compiled = gt.compile(make_step(*make_gt()))
 
     # hand-written: tp_mlp.py's Megatron f/g step on local shards
-    class _CopyToTP(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad)
-            return grad
-
-    class _ReduceFromTP(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            t = t.contiguous()
-            dist.all_reduce(t)
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    full = make_model()
-    n = D_HID // world
-    sl = slice(rank * n, (rank + 1) * n)
-    w1 = nn.Parameter(full[0].weight.detach()[sl].clone())
-    b1 = nn.Parameter(full[0].bias.detach()[sl].clone())
-    w2 = nn.Parameter(full[2].weight.detach()[:, sl].clone())
-    b2 = nn.Parameter(full[2].bias.detach().clone())
-    hopt = torch.optim.SGD([w1, b1, w2, b2], lr=LR)
-
-    def hand_step():
-        xin = x.detach().requires_grad_()
-        h = torch.relu(F.linear(_CopyToTP.apply(xin), w1, b1))
-        y = _ReduceFromTP.apply(F.linear(h, w2)) + b2
-        loss = ((y - target) ** 2).mean()
-        hopt.zero_grad()
-        loss.backward()
-        hopt.step()
-        return loss
+    hand_step = hand_written_step(make_model(), x, target, rank, world, lambda y, t: ((y - t) ** 2).mean())
 
     losses = {"hand": [], "compiled": [], "eager": []}
     for _ in range(check_steps):                    # compiled: eager warm-up, capture, graph, graph

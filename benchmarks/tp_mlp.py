@@ -29,6 +29,57 @@ import _harness as H
 D_IN, D_HID, BATCH, LR = 1024, 4096, 64, 0.01
 
 
+def hand_written_step(full, x, target, rank: int, world: int, loss_fn):
+    """The hand-written step on this rank's shards of ``full`` (Linear -> ReLU -> Linear): fc1 split
+    by output features, fc2 by input features, Megatron's f (identity forward, all_reduce backward)
+    before fc1 and g (all_reduce forward) after fc2; plain SGD."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class CopyToTensorParallel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad)
+            return grad
+
+    class ReduceFromTensorParallel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            t = t.contiguous()
+            dist.all_reduce(t)
+            return t
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    n = D_HID // world
+    sl = slice(rank * n, (rank + 1) * n)
+    w1 = nn.Parameter(full[0].weight.detach()[sl].clone())
+    b1 = nn.Parameter(full[0].bias.detach()[sl].clone())
+    w2 = nn.Parameter(full[2].weight.detach()[:, sl].clone())
+    b2 = nn.Parameter(full[2].bias.detach().clone())
+    opt = torch.optim.SGD([w1, b1, w2, b2], lr=LR)
+
+    def step():
+        xin = x.detach().requires_grad_()
+        h = torch.relu(F.linear(CopyToTensorParallel.apply(xin), w1, b1))
+        y = ReduceFromTensorParallel.apply(F.linear(h, w2)) + b2
+        loss = loss_fn(y, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
 def _settings(quick: bool) -> dict:
     return dict(warmup=2, repeats=5, inner=1) if quick else dict(warmup=3, repeats=41, inner=2)
 
@@ -37,7 +88,6 @@ def _worker(rank: int, world: int, quick: bool, loss_kind: str, check_steps: int
     import warnings
 
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.tensor import init_device_mesh
@@ -119,46 +169,7 @@ def _worker(rank: int, world: int, quick: bool, loss_kind: str, check_steps: int
         return loss
 
     # ---- hand-written: local shards, Megatron f (fwd identity / bwd all_reduce) and g (the reverse)
-    class _CopyToTP(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad)
-            return grad
-
-    class _ReduceFromTP(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            t = t.contiguous()
-            dist.all_reduce(t)
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    full = make_model()
-    n = D_HID // world
-    sl = slice(rank * n, (rank + 1) * n)
-    w1 = nn.Parameter(full[0].weight.detach()[sl].clone())
-    b1 = nn.Parameter(full[0].bias.detach()[sl].clone())
-    w2 = nn.Parameter(full[2].weight.detach()[:, sl].clone())
-    b2 = nn.Parameter(full[2].bias.detach().clone())
-    hopt = torch.optim.SGD([w1, b1, w2, b2], lr=LR)
-
-    def hand_step():
-        xin = x.detach().requires_grad_()
-        h = torch.relu(F.linear(_CopyToTP.apply(xin), w1, b1))
-        y = _ReduceFromTP.apply(F.linear(h, w2)) + b2
-        loss = loss_fn(y, target)
-        hopt.zero_grad()
-        loss.backward()
-        hopt.step()
-        return loss
+    hand_step = hand_written_step(make_model(), x, target, rank, world, loss_fn)
 
     # ---- the same losses, step by step
     losses = {"gt": [], "gt_b": [], "dt": [], "hand": []}
