@@ -123,7 +123,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1,
                  bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
-                 measure_memory: bool = False, streams: Optional[Callable] = None):
+                 measure_memory: bool = False, streams: Union[None, str, Callable] = None):
         if not callable(fn):
             raise TypeError(f"gt.compile: expected a function or an nn.Module, got {type(fn).__name__}")
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -134,6 +134,8 @@ class CompiledFunction:
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"gt.compile(warmup=): expected a non-negative int, got {warmup!r}")
         GradBuckets(bucket_bytes)           # validates
+        if streams is not None and streams != "device" and not callable(streams):
+            raise ValueError(f"gt.compile(streams=): expected None, 'device' or a function of a task, got {streams!r}")
         self.fn, self.registers, self.micro_batches = fn, registers, micro_batches
         self.bucket_bytes, self.warmup = bucket_bytes, warmup
         self.timeline, self.measure_memory, self.streams = timeline, measure_memory, streams
@@ -272,7 +274,8 @@ class CompiledFunction:
 
     def trace_to(self, path: str) -> str:
         """Write the last run's actor firings as Chrome-trace JSON (Perfetto, chrome://tracing)."""
-        return chrome_trace(self._graph().runtime.timeline, path)
+        graph = self._graph()
+        return chrome_trace(graph.runtime.timeline, path, {t.name: t.rank for t in graph.program.tasks})
 
     @property
     def peak_register_bytes(self) -> int:
@@ -282,7 +285,7 @@ class CompiledFunction:
 
 def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
             bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
-            measure_memory: bool = False, streams: Optional[Callable] = None) -> CompiledFunction:
+            measure_memory: bool = False, streams: Union[None, str, Callable] = None) -> CompiledFunction:
     """Capture ``fn`` (a function or an ``nn.Module``) into a static graph run by the actor runtime.
 
     ``registers``: output slots per task (an int, or a function of a task giving its count): how

@@ -21,7 +21,7 @@ class PlanView:
         self.micro_batches = program.micro_batches
 
     def __repr__(self) -> str:
-        kinds = Counter(t.stream.split(":")[1] for t in self.tasks)
+        kinds = Counter(t.stream.rsplit(":", 1)[-1] for t in self.tasks)
         lines = [f"Plan: {len(self.tasks)} tasks on {len(self.streams)} streams "
                  f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), micro_batches={self.micro_batches}, "
                  f"registers' memory bound {self.memory_bound} bytes"]
@@ -40,7 +40,7 @@ def dot(program: Program) -> str:
         lines.append(f"  subgraph cluster_r{rank} {{")
         lines.append(f'    label="rank {rank}";')
         for t in tasks:
-            colour = _COLOURS.get(t.stream.split(":")[1], "white")
+            colour = _COLOURS.get(t.stream.rsplit(":", 1)[-1], "white")
             label = t.name.replace('"', "'") + f"\\n{t.stream} x{t.registers}"
             lines.append(f'    t{t.id} [label="{label}", fillcolor={colour}];')
         lines.append("  }")
@@ -55,19 +55,21 @@ def dot(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chrome_trace(timeline: list, path: str) -> str:
-    """Write ``(stream, task, iteration, start, end)`` firings as Chrome-trace JSON; returns ``path``."""
+def chrome_trace(timeline: list, path: str, rank_of: dict) -> str:
+    """Write ``(stream, task, iteration, start, end)`` firings as Chrome-trace JSON, one process row
+    per rank (``rank_of``: task name -> rank) and one thread row per stream; returns ``path``."""
     events, threads = [], {}
     start = min((e[3] for e in timeline), default=0.0)
     for stream, task, it, t0, t1 in timeline:
-        rank = int(stream.split(":")[0][1:])
+        rank = rank_of[task]
         tid = threads.setdefault(stream, len(threads))
         events.append({"name": task, "ph": "X", "pid": rank, "tid": tid, "ts": (t0 - start) * 1e6,
                        "dur": max((t1 - t0) * 1e6, 0.01), "args": {"iteration": it}})
-    for stream, tid in threads.items():
-        rank = int(stream.split(":")[0][1:])
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": stream}})
+    names = {tid: stream for stream, tid in threads.items()}
+    for rank in sorted({e["pid"] for e in events}):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    for rank, tid in sorted({(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}):
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": names[tid]}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return path

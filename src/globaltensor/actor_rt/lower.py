@@ -323,10 +323,14 @@ def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
 
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
-          collective_rank: Optional[int] = None, streams: Optional[Callable] = None) -> Program:
-    """The task graph of ``cap`` for the ranks this process holds. ``streams(task)``, when given,
-    names the stream of each task instead of its rank and kind (any assignment is deadlock-free:
-    every stream follows the one reference order)."""
+          collective_rank: Optional[int] = None, streams: Union[None, str, Callable] = None) -> Program:
+    """The task graph of ``cap`` for the ranks this process holds.
+
+    ``streams`` chooses the stream of each task: None, each rank's own compute / copy /
+    collective streams (``r<rank>:compute``); ``"device"``, the ranks that share a physical device
+    (a simulated world's) share its streams (``cpu:compute``); a function of a task, the name it
+    returns (a task of a process world stays on its rank: ``r<rank>:<name>``). Any assignment is
+    deadlock-free: every stream follows the one reference order."""
     live = _live(cap)
     _assign_ranks(cap, live, cap.held_ranks[0])
     b = _Builder(cap, micro_batches, cap.held_ranks[0], collective_rank)
@@ -358,11 +362,15 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"gt.compile(registers=): expected a register count >= 1 for task {t.name}, got {k!r}")
         t.registers = k
-        if streams is not None:
+        if streams == "device":
+            device = "cpu" if t.device is None or t.device.type == "cpu" else f"{t.device.type}{t.device.index or 0}"
+            t.stream = f"{device}:{t.stream.split(':')[1]}"
+        elif streams is not None:
             name = streams(t)
-            if not isinstance(name, str) or not name.startswith(f"r{t.rank}:"):
+            if not isinstance(name, str) or not name or \
+                    (collective_rank is not None and not name.startswith(f"r{t.rank}:")):
                 raise ValueError(f"gt.compile(streams=): expected a stream name 'r{t.rank}:<name>' for task {t.name} "
-                                 f"(a task stays on its rank), got {name!r}")
+                                 f"(in a process world a task stays on its rank), got {name!r}")
             t.stream = name
         t.deps = sorted(set(d for d in t.deps if d[0] != t.id or d[1] == 1))
     order = _communication_first(tasks, order)
