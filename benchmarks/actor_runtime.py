@@ -123,32 +123,17 @@ def _worker_ops(rank: int, world: int, quick: bool):
 
 # ------------------------------------------------------------------------------------ 2. TP MLP
 def _worker_tp(rank: int, world: int, quick: bool, check_steps: int = 4):
-    import torch
-    import torch.nn as nn
-
     import globaltensor as gt
-    from tp_mlp import BATCH, D_HID, D_IN, LR, hand_written_step
+    from tp_mlp import hand_written_step, megatron_model, model_and_data
 
-    S, B = gt.sbp.split, gt.sbp.broadcast
+    B = gt.sbp.broadcast
 
-    def make_model():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_IN))
-
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, D_IN, generator=g)
-    target = torch.randn(BATCH, D_IN, generator=g)
+    make_model, x, target = model_and_data()
     p = gt.placement("cpu", ranks=list(range(world)))
     gtarget = target.to_global(placement=p, sbp=B)
 
-    def make_gt():       # as tp_mlp.py: fc1 column parallel (S(0)), fc2 row parallel (S(1)), its bias B
-        model = make_model()
-        fc1, fc2 = model[0], model[2]
-        fc1.weight = nn.Parameter(gt.distribute(fc1.weight.detach(), p, S(0)))
-        fc1.bias = nn.Parameter(gt.distribute(fc1.bias.detach(), p, S(0)))
-        fc2.weight = nn.Parameter(gt.distribute(fc2.weight.detach(), p, S(1)))
-        fc2.bias = nn.Parameter(gt.distribute(fc2.bias.detach(), p, B))
-        return model, torch.optim.SGD(model.parameters(), lr=LR)
+    def make_gt():
+        return megatron_model(make_model, p)
 
     def make_step(model, opt):
         def step(xl, t):       # tp_mlp.py's gt_step, with the input and target as arguments

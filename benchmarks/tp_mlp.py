@@ -29,6 +29,35 @@ import _harness as H
 D_IN, D_HID, BATCH, LR = 1024, 4096, 64, 0.01
 
 
+def model_and_data():
+    """A maker of the MLP (the same weights each time) and the fixed input and target of every version."""
+    import torch
+    import torch.nn as nn
+
+    def make_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_IN))
+    g = torch.Generator().manual_seed(1)
+    return make_model, torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_IN, generator=g)
+
+
+def megatron_model(make_model, p):
+    """A fresh MLP with fc1 column parallel (S(0)), fc2 row parallel (S(1)) and its bias broadcast on
+    ``p``, and its SGD."""
+    import torch
+    import torch.nn as nn
+
+    import globaltensor as gt
+    S, B = gt.sbp.split, gt.sbp.broadcast
+    model = make_model()
+    fc1, fc2 = model[0], model[2]
+    fc1.weight = nn.Parameter(gt.distribute(fc1.weight.detach(), p, S(0)))
+    fc1.bias = nn.Parameter(gt.distribute(fc1.bias.detach(), p, S(0)))
+    fc2.weight = nn.Parameter(gt.distribute(fc2.weight.detach(), p, S(1)))
+    fc2.bias = nn.Parameter(gt.distribute(fc2.bias.detach(), p, B))
+    return model, torch.optim.SGD(model.parameters(), lr=LR)
+
+
 def hand_written_step(full, x, target, rank: int, world: int, loss_fn):
     """The hand-written step on this rank's shards of ``full`` (Linear -> ReLU -> Linear): fc1 split
     by output features, fc2 by input features, Megatron's f (identity forward, all_reduce backward)
@@ -88,7 +117,6 @@ def _worker(rank: int, world: int, quick: bool, loss_kind: str, check_steps: int
     import warnings
 
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.tensor import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -108,15 +136,9 @@ def _worker(rank: int, world: int, quick: bool, loss_kind: str, check_steps: int
     warnings.showwarning = catch
 
     cfg = _settings(quick)
-    S, B = gt.sbp.split, gt.sbp.broadcast
+    B = gt.sbp.broadcast
 
-    def make_model():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_IN))
-
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, D_IN, generator=g)
-    target = torch.randn(BATCH, D_IN, generator=g)
+    make_model, x, target = model_and_data()
 
     def loss_fn(y, t):
         return F.mse_loss(y, t) if loss_kind == "mse" else ((y - t) ** 2).mean()
@@ -126,13 +148,7 @@ def _worker(rank: int, world: int, quick: bool, loss_kind: str, check_steps: int
     gtarget = target.to_global(placement=p, sbp=B)
 
     def make_gt():
-        model = make_model()
-        fc1, fc2 = model[0], model[2]
-        fc1.weight = nn.Parameter(gt.distribute(fc1.weight.detach(), p, S(0)))
-        fc1.bias = nn.Parameter(gt.distribute(fc1.bias.detach(), p, S(0)))
-        fc2.weight = nn.Parameter(gt.distribute(fc2.weight.detach(), p, S(1)))
-        fc2.bias = nn.Parameter(gt.distribute(fc2.bias.detach(), p, B))
-        return model, torch.optim.SGD(model.parameters(), lr=LR)
+        return megatron_model(make_model, p)
 
     gmodel, gopt = make_gt()
 

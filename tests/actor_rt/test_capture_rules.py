@@ -13,6 +13,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.tensor import GlobalTensor
+from nn_models import training_step
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 HERE = os.path.basename(__file__)
@@ -171,23 +172,18 @@ def test_plain_tensor_meta(p1):
 
 
 # -- optimizer hyper-parameters ------------------------------------------------------------------
-def _sgd_model(p1, lr):
+def _one_weight_model(p1, optimizer):
+    """A weight (the same init on every call) trained by ``optimizer([w])``: (w, optimizer, step)."""
     torch.manual_seed(0)
     w = torch.randn(3, 2).to_global(placement=p1, sbp=B).clone().requires_grad_()
-    opt = torch.optim.SGD([w], lr=lr, momentum=0.9)
-
-    def step(x):
-        loss = (x @ w).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return w, opt, step
+    opt = optimizer([w])
+    return w, opt, training_step(lambda x: (x @ w).square().mean(), opt)
 
 
 def test_changing_lr_captures_again_with_a_warning(p1):
-    w_e, opt_e, step_e = _sgd_model(p1, 0.1)
-    w_c, opt_c, step_c = _sgd_model(p1, 0.1)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)     # noqa: E731
+    w_e, opt_e, step_e = _one_weight_model(p1, sgd)
+    w_c, opt_c, step_c = _one_weight_model(p1, sgd)
     g = gt.compile(step_c)
     xs = [gt.randn(8, 3, placement=p1, sbp=S(0)) for _ in range(6)]
     for i in range(3):
@@ -214,20 +210,9 @@ def test_changing_lr_captures_again_with_a_warning(p1):
 
 def test_a_tensor_lr_is_read_every_call(p1):
     """AdamW with a tensor lr: editing the tensor changes the next compiled step, without a capture."""
-    def make():
-        torch.manual_seed(0)
-        w = torch.randn(3, 2).to_global(placement=p1, sbp=B).clone().requires_grad_()
-        opt = torch.optim.AdamW([w], lr=torch.tensor(0.1))
-
-        def step(x):
-            loss = (x @ w).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return w, opt, step
-    w_e, opt_e, step_e = make()
-    w_c, opt_c, step_c = make()
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.1))   # noqa: E731 -- a tensor per optimizer
+    w_e, opt_e, step_e = _one_weight_model(p1, adamw)
+    w_c, opt_c, step_c = _one_weight_model(p1, adamw)
     g = gt.compile(step_c)
     for i in range(5):
         x = gt.randn(8, 3, placement=p1, sbp=S(0))
@@ -283,14 +268,7 @@ def test_param_grad_after_a_call_equals_eager(request, placement_name, w_sbp, x_
         torch.manual_seed(0)
         w = gt.distribute(torch.randn(5, 4), placement, w_sbp).requires_grad_()
         opt = torch.optim.SGD([w], lr=0.1)
-
-        def step(x):
-            opt.zero_grad()
-            loss = torch.tanh(x @ w).square().mean()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return w, step
+        return w, training_step(lambda x: torch.tanh(x @ w).square().mean(), opt, zero_grad_first=True)
     w_e, step_e = make()
     w_c, step_c = make()
     g = gt.compile(step_c)

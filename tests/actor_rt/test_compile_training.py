@@ -15,22 +15,11 @@ from torch import nn
 
 import globaltensor as gt
 import globaltensor.nn as gnn
+from compile_helpers import assert_close_rel, assert_parameters_close, module_maker
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_1D, MEGATRON_2D, net
+from nn_models import MEGATRON_1D, MEGATRON_2D, training_step
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
-REL = 1e-12
-
-
-def assert_close_rel(a: GlobalTensor, b: GlobalTensor, what: str, rel: float = REL) -> None:
-    """``a`` (compiled side) equals ``b`` (eager side) in layout, and in value to ``rel`` of b's scale."""
-    assert isinstance(a, GlobalTensor) and isinstance(b, GlobalTensor), what
-    assert a.placement == b.placement and a.sbp == b.sbp, f"{what}: {a.placement} {a.sbp} != {b.placement} {b.sbp}"
-    fa, fb = a.detach().full_tensor(), b.detach().full_tensor()
-    assert fa.shape == fb.shape, what
-    scale = max(fb.abs().max().item(), 1e-30)
-    err = (fa - fb).abs().max().item()
-    assert err <= rel * scale, f"{what}: max |compiled - eager| = {err:.3e}, {err / scale:.3e} of its scale"
 
 
 def assert_states_match(opt_c, opt_e, params_c, params_e, step: int) -> None:
@@ -49,13 +38,11 @@ def train_both(make, batches, steps: int, check_state: bool = True, **compile_kw
     m_e, opt_e, step_e = make()
     m_c, opt_c, step_c = make()
     g = gt.compile(step_c, **compile_kw)
-    names = [n for n, _ in m_e.named_parameters()]
     for s in range(steps):
         args = batches(s)
         loss_e, loss_c = step_e(*args), g(*args)
         assert_close_rel(loss_c, loss_e, f"step {s}: loss")
-        for name, pc, pe in zip(names, m_c.parameters(), m_e.parameters()):
-            assert_close_rel(pc, pe, f"step {s}: parameter {name}")
+        assert_parameters_close(m_c, m_e, f"step {s}")
         if check_state:
             assert_states_match(opt_c, opt_e, list(m_c.parameters()), list(m_e.parameters()), s)
     assert g.captures == 1, f"one meta, one capture; got {g.captures}"
@@ -66,21 +53,6 @@ def _batches(placement, batch_sbp, rows: int = 8, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     data = [torch.randn(rows, 6, generator=gen) for _ in range(8)]
     return lambda s: (gt.distribute(data[s], placement, batch_sbp),)
-
-
-def _module_maker(placement, plan, optimizer):
-    def make():
-        m = gnn.distribute_module(net(), placement, plan)
-        opt = optimizer(m)
-
-        def step(x):
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return m, opt, step
-    return make
 
 
 SGD = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)                    # noqa: E731
@@ -101,7 +73,7 @@ OPTIMIZERS = {"sgd-momentum": SGD, "adamw": ADAMW}
 def test_module_training_matches_eager(request, layout, opt_name):
     placement_name, plan, batch_sbp = LAYOUTS[layout]
     placement = request.getfixturevalue(placement_name)
-    train_both(_module_maker(placement, plan, OPTIMIZERS[opt_name]), _batches(placement, batch_sbp), steps=4)
+    train_both(module_maker(placement, plan, OPTIMIZERS[opt_name]), _batches(placement, batch_sbp), steps=4)
 
 
 @pytest.mark.parametrize("opt", [ZERO_ADAMW, ZERO_SGD], ids=["adamw", "sgd-momentum"])
@@ -109,7 +81,7 @@ def test_module_training_matches_eager(request, layout, opt_name):
 def test_zero_optimizer_training_matches_eager(request, layout, opt):
     placement_name, plan, batch_sbp = LAYOUTS[layout]
     placement = request.getfixturevalue(placement_name)
-    train_both(_module_maker(placement, plan, opt), _batches(placement, batch_sbp), steps=4)
+    train_both(module_maker(placement, plan, opt), _batches(placement, batch_sbp), steps=4)
 
 
 def test_explicit_parameters_adamw(p1):
@@ -122,14 +94,7 @@ def test_explicit_parameters_adamw(p1):
         m.w = nn.Parameter(w0.to_global(placement=p1, sbp=B).clone())
         m.b = nn.Parameter(b0.to_global(placement=p1, sbp=B).clone())
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-
-        def step(x, y):
-            loss = ((x @ m.w + m.b - y) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return m, opt, step
+        return m, opt, training_step(lambda x, y: ((x @ m.w + m.b - y) ** 2).mean(), opt)
     gen = torch.Generator().manual_seed(3)
     data = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(5)]
     train_both(make, lambda s: tuple(gt.distribute(t, p1, S(0)) for t in data[s]), steps=5)
@@ -153,18 +118,7 @@ class DropNet(nn.Module):
 def test_dropout_training_matches_eager(request, placement_name, plan, batch_sbp):
     """Dropout masks inside a compiled training step are the eager steps' masks (same gt seed)."""
     placement = request.getfixturevalue(placement_name)
-
-    def make():
-        m = gnn.distribute_module(DropNet(), placement, plan)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x):
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return m, opt, step
+    make = module_maker(placement, plan, SGD, model=DropNet)
     m_e, opt_e, step_e = make()
     m_c, opt_c, step_c = make()
     g = gt.compile(step_c)
@@ -176,8 +130,7 @@ def test_dropout_training_matches_eager(request, placement_name, plan, batch_sbp
         gt.manual_seed(100 + s)
         loss_c = g(x)
         assert_close_rel(loss_c, loss_e, f"step {s}: loss")
-        for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
-            assert_close_rel(pc, pe, f"step {s}: {name}")
+        assert_parameters_close(m_c, m_e, f"step {s}")
     gt.manual_seed(999)
     probe = step_e(batches(5)[0])
     gt.manual_seed(12345)                          # another seed: another mask, another loss
@@ -188,7 +141,7 @@ def test_dropout_training_matches_eager(request, placement_name, plan, batch_sbp
 
 def test_lr_scheduler_matches_eager(p1):
     """A scheduler changing lr between compiled steps: each step uses the lr eager's uses."""
-    make = _module_maker(p1, {}, ADAMW)
+    make = module_maker(p1, {}, ADAMW)
     m_e, opt_e, step_e = make()
     m_c, opt_c, step_c = make()
     sched_e = torch.optim.lr_scheduler.StepLR(opt_e, step_size=2, gamma=0.5)
@@ -199,8 +152,7 @@ def test_lr_scheduler_matches_eager(p1):
         for s in range(6):
             loss_e, loss_c = step_e(*batches(s)), g(*batches(s))
             assert_close_rel(loss_c, loss_e, f"step {s}: loss")
-            for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
-                assert_close_rel(pc, pe, f"step {s}: {name}")
+            assert_parameters_close(m_c, m_e, f"step {s}")
             sched_e.step()
             sched_c.step()
     assert [gr["lr"] for gr in opt_c.param_groups] == [gr["lr"] for gr in opt_e.param_groups]
@@ -209,7 +161,7 @@ def test_lr_scheduler_matches_eager(p1):
 # -- gradient buckets ----------------------------------------------------------------------------
 def _dp_step_stats(placement, bucket_bytes: int, compiled: bool):
     """One data-parallel SGD step after two (warm-up, capture), under gt.comm_stats()."""
-    m, opt, step = _module_maker(placement, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))()
+    m, opt, step = module_maker(placement, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))()
     batches = _batches(placement, S(0))
     fn = gt.compile(step, bucket_bytes=bucket_bytes) if compiled else step
     fn(*batches(0))
@@ -236,8 +188,7 @@ def test_bucketed_gradients_fewer_collectives_same_bytes(p1):
     # the same payload as eager's all-reduces; only the rounding of each tensor's ring chunks differs
     assert ideal <= comp.bytes_sent <= eager.bytes_sent, (ideal, comp.bytes_sent, eager.bytes_sent)
     assert eager.bytes_sent - comp.bytes_sent <= n_params * 2 * 3 * 8, (comp.bytes_sent, eager.bytes_sent)
-    for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
-        assert_close_rel(pc, pe, f"bucketed step: {name}")
+    assert_parameters_close(m_c, m_e, "bucketed step")
 
 
 def test_small_buckets_give_several_all_reduces(p1):
@@ -253,24 +204,13 @@ def test_bucket_bytes_zero_reduces_each_gradient(p1):
     n_params = len(list(m_c.parameters()))
     assert comp.ops() == ["all_reduce"] * n_params, comp.ops()
     assert comp.bytes_sent == eager.bytes_sent
-    for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
-        assert_close_rel(pc, pe, f"unbucketed step: {name}")
+    assert_parameters_close(m_c, m_e, "unbucketed step")
 
 
 def test_bucketed_gradients_left_in_place_equal_eager(p1):
     """zero_grad at the start: the .grad the compiled call leaves (the bucket's reduced slice)
     equals eager's, with the parameter's sbp, and behaves as eager's under in-place edits."""
-    def make():
-        m = gnn.distribute_module(net(), p1, {})
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x):
-            opt.zero_grad()
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return m, opt, step
+    make = module_maker(p1, {}, SGD, zero_grad_first=True)
     for bucket_bytes in (25 * 2 ** 20, 0):
         m_e, _, step_e = make()
         m_c, _, step_c = make()

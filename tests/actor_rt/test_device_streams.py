@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import globaltensor as gt
+from nn_models import training_step
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 
@@ -12,14 +13,7 @@ def _step(p):
     w1 = torch.randn(8, 16).to_global(placement=p, sbp=(B, S(1))).requires_grad_()
     w2 = torch.randn(16, 4).to_global(placement=p, sbp=(B, S(0))).requires_grad_()
     opt = torch.optim.AdamW([w1, w2], lr=1e-2)
-
-    def step(x, y):
-        loss = ((torch.tanh(x @ w1) @ w2 - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return step, (w1, w2)
+    return training_step(lambda x, y: ((torch.tanh(x @ w1) @ w2 - y) ** 2).mean(), opt), (w1, w2)
 
 
 def test_simulated_ranks_share_one_compute_and_one_collective_stream_and_train_as_eager(world4):

@@ -8,22 +8,11 @@ import pytest
 import torch
 
 import globaltensor as gt
-import globaltensor.nn as gnn
+from compile_helpers import assert_close_rel, assert_parameters_close, module_maker
 from globaltensor.tensor import GlobalTensor
-from nn_models import net
+from nn_models import training_step
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
-REL = 1e-12
-
-
-def assert_same(out, ref, what: str, rel: float = REL) -> None:
-    assert isinstance(out, GlobalTensor), f"{what}: got {type(out).__name__}"
-    assert out.placement == ref.placement and out.sbp == ref.sbp, \
-        f"{what}: {out.placement} {out.sbp} != eager {ref.placement} {ref.sbp}"
-    a, b = out.detach().full_tensor(), ref.detach().full_tensor()
-    assert a.shape == b.shape, what
-    err, scale = (a - b).abs().max().item() if a.numel() else 0.0, max(b.abs().max().item() if b.numel() else 0, 1e-30)
-    assert err <= rel * scale, f"{what}: max |compiled - eager| = {err:.3e} ({err / scale:.2e} of its scale)"
 
 
 # -- forward pipelines ---------------------------------------------------------------------------
@@ -40,11 +29,11 @@ def test_pipeline_outputs_equal_eager_per_item(p1, registers):
     assert len(outs) == len(xs)
     for i, (x, (y, s)) in enumerate(zip(xs, outs)):
         y_ref, s_ref = fn(x)
-        assert_same(y, y_ref, f"item {i}: y")
-        assert_same(s, s_ref, f"item {i}: sum")
+        assert_close_rel(y, y_ref, f"item {i}: y")
+        assert_close_rel(s, s_ref, f"item {i}: sum")
     again = g.pipeline(xs[::-1])                   # the captured graph again, other order
     for i, (x, (y, _)) in enumerate(zip(xs[::-1], again)):
-        assert_same(y, fn(x)[0], f"second pipeline, item {i}")
+        assert_close_rel(y, fn(x)[0], f"second pipeline, item {i}")
     assert g.captures == 1
 
 
@@ -54,14 +43,14 @@ def test_pipeline_items_tuples_and_keyword_free_single_arguments(p1):
     pairs = [(gt.randn(8, 3, placement=p1, sbp=S(0)), gt.randn(8, 3, placement=p1, sbp=S(1))) for _ in range(4)]
     g = gt.compile(two, warmup=0)
     for i, (out, (x, y)) in enumerate(zip(g.pipeline(pairs), pairs)):
-        assert_same(out, two(x, y), f"pair {i}")
+        assert_close_rel(out, two(x, y), f"pair {i}")
 
     def one(x):
         return x.to_global(sbp=S(1)) + 1.0
     xs = [gt.randn(8, 3, placement=p1, sbp=S(0)) for _ in range(4)]
     h = gt.compile(one, warmup=0)
     for i, (out, x) in enumerate(zip(h.pipeline(xs), xs)):
-        assert_same(out, one(x), f"single {i}")
+        assert_close_rel(out, one(x), f"single {i}")
 
 
 def test_pipeline_with_several_metas_keeps_order(p1):
@@ -72,34 +61,23 @@ def test_pipeline_with_several_metas_keeps_order(p1):
     g = gt.compile(fn, warmup=0)
     outs = g.pipeline(xs)
     for i, (out, x) in enumerate(zip(outs, xs)):
-        assert_same(out, fn(x), f"item {i}")
+        assert_close_rel(out, fn(x), f"item {i}")
     assert g.captures == 3
 
 
 def test_pipelined_training_steps_are_sequential_steps(p1):
     """Overlapped iterations of a step that updates state: item i sees the parameters after step
     i - 1 (each step's loss equals the eager step's); the parameters end as eager's."""
-    def make():
-        m = gnn.distribute_module(net(), p1, {})
-        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
-
-        def step(x):
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return m, step
-    m_e, step_e = make()
-    m_c, step_c = make()
+    make = module_maker(p1, {}, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    m_e, _, step_e = make()
+    m_c, _, step_c = make()
     gen = torch.Generator().manual_seed(0)
     xs = [gt.distribute(torch.randn(8, 6, generator=gen), p1, S(0)) for _ in range(6)]
     g = gt.compile(step_c)
     losses = g.pipeline(xs)
     for i, (loss, x) in enumerate(zip(losses, xs)):
-        assert_same(loss, step_e(x), f"step {i}: loss")
-    for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
-        assert_same(pc, pe, f"after the pipeline: {name}")
+        assert_close_rel(loss, step_e(x), f"step {i}: loss")
+    assert_parameters_close(m_c, m_e, "after the pipeline")
 
 
 # -- two stages ----------------------------------------------------------------------------------
@@ -117,14 +95,7 @@ def two_stage(pa, pb, optimizer=None):
         h = torch.tanh(x @ w1 + b1)
         h = h.to_global(placement=pb, sbp=S(0))
         return h @ w2
-
-    def step(x, y):
-        loss = ((forward(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return params, forward, step
+    return params, forward, training_step(lambda x, y: ((forward(x) - y) ** 2).mean(), opt)
 
 
 def _stage_batches(pa, pb, n: int, rows: int = 16, seed: int = 0):
@@ -141,7 +112,7 @@ def test_two_stage_forward_pipelined(pa, pb):
     for i, (out, x) in enumerate(zip(outs, xs)):
         ref = forward(x)
         assert out.placement == pb
-        assert_same(out, ref, f"item {i}")
+        assert_close_rel(out, ref, f"item {i}")
     with gt.comm_stats() as st:
         g.pipeline(xs[:2])
     assert st.count >= 2, "the activations cross from stage 1 to stage 2 in every call"
@@ -158,11 +129,11 @@ def test_two_stage_micro_batch_training_equals_full_batch_step(pa, pb, registers
                          for x_j, y_j in zip(_micro(x, 4), _micro(y, 4))]
         loss_e = step_e(x, y)                    # the full-batch step
         loss_c = g(x, y)
-        assert_same(loss_c, loss_e, f"step {s}: loss")
+        assert_close_rel(loss_c, loss_e, f"step {s}: loss")
         torch.testing.assert_close(loss_c.full_tensor(), torch.stack(mb_losses).mean(), rtol=1e-12, atol=0,
                                    msg=lambda m: f"step {s}: the mean of the micro-batches' losses: {m}")
         for i, (pc, pe) in enumerate(zip(params_c, params_e)):
-            assert_same(pc, pe, f"step {s}: parameter {i}")
+            assert_close_rel(pc, pe, f"step {s}: parameter {i}")
     assert g.captures == 1
 
 
@@ -185,33 +156,22 @@ def test_two_stage_micro_batches_pipelined(pa, pb):
     g = gt.compile(step_c, micro_batches=4)
     losses = g.pipeline(batches)
     for s, (loss, (x, y)) in enumerate(zip(losses, batches)):
-        assert_same(loss, step_e(x, y), f"step {s}: loss")
+        assert_close_rel(loss, step_e(x, y), f"step {s}: loss")
     for i, (pc, pe) in enumerate(zip(params_c, params_e)):
-        assert_same(pc, pe, f"after the pipeline: parameter {i}")
+        assert_close_rel(pc, pe, f"after the pipeline: parameter {i}")
 
 
 def test_micro_batches_data_parallel_adamw(p1):
     """micro_batches=4 on a 1-D data-parallel gt.nn model with AdamW: the full-batch step."""
-    def make():
-        m = gnn.distribute_module(net(), p1, {})
-        opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)
-
-        def step(x):
-            loss = m(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return m, step
-    m_e, step_e = make()
-    m_c, step_c = make()
+    make = module_maker(p1, {}, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1))
+    m_e, _, step_e = make()
+    m_c, _, step_c = make()
     g = gt.compile(step_c, micro_batches=4)
     gen = torch.Generator().manual_seed(5)
     for s in range(3):
         x = gt.distribute(torch.randn(16, 6, generator=gen), p1, S(0))
-        assert_same(g(x), step_e(x), f"step {s}: loss")
-        for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
-            assert_same(pc, pe, f"step {s}: {name}")
+        assert_close_rel(g(x), step_e(x), f"step {s}: loss")
+        assert_parameters_close(m_c, m_e, f"step {s}")
 
 
 def test_micro_batches_need_an_even_split(pa, pb):

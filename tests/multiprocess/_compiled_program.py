@@ -20,13 +20,13 @@
 
 A check that fails is recorded, not raised, so that every rank keeps issuing the same
 collectives; an exception ends the job. Records are ``GT {json}`` lines (the launcher prefixes
-them with ``[rank N] ``), one per section and rank, as in _rank_program.py.
+them with ``[rank N] ``), one per section and rank, written and run as in _rank_program.py.
+The model trained is tests/nn's ``Net`` (with dropout), stepped by its ``training_step``.
 """
-import json
 import signal
 import sys
 import time
-import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,11 @@ from torch import nn
 
 import globaltensor as gt
 import globaltensor.nn as gnn
+from _rank_program import Checker as RecordingChecker, balanced, emit, run_sections
 from globaltensor.tensor import GlobalTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
+from nn_models import MEGATRON_2D, Net, training_step  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 torch.set_num_threads(1)
@@ -43,10 +47,6 @@ S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 REL = 1e-12          # compiled vs eager, relative to the eager piece's largest magnitude (float64)
 STEPS = 4            # a compiled function's calls: warm-up, capture + first run, then graph runs
 OP = "gt_mp_compiled.maybe_fail"
-
-
-def emit(section, **fields):
-    print("GT " + json.dumps({"section": section, "rank": gt.rank(), **fields}), flush=True)
 
 
 # -- a custom op that raises inside the graph when told to -----------------------------------------
@@ -75,17 +75,13 @@ maybe_fail = torch.ops.gt_mp_compiled.maybe_fail
 
 
 # -- checks -------------------------------------------------------------------------------------------
-class Checker:
-    def __init__(self, section):
-        self.section = section
-        self.failures = []
-        self.count = 0
-        self.start = time.perf_counter()
+class Checker(RecordingChecker):
+    """_rank_program's checker (failed checks recorded, not raised), timed, with ``same``: a
+    compiled result against the eager one."""
 
-    def true(self, what, cond):
-        self.count += 1
-        if not cond:
-            self.failures.append(what)
+    def __init__(self, section):
+        super().__init__(section)
+        self.start = time.perf_counter()
 
     def same(self, what, got, ref, rel=REL, exact=False):
         """``got`` (compiled) equals ``ref`` (eager): placement, sbp, shape, and this rank's piece."""
@@ -115,8 +111,7 @@ class Checker:
             self.failures.append(f"{what}: max |compiled - eager| = {err:.3e}, {err / scale:.2e} of its scale")
 
     def done(self, **fields):
-        emit(self.section, done=True, checks=self.count, failures=self.failures,
-             seconds=round(time.perf_counter() - self.start, 3), **fields)
+        super().done(seconds=round(time.perf_counter() - self.start, 3), **fields)
 
 
 def check_plan(c, what, g, micro_batches=1):
@@ -128,10 +123,6 @@ def check_plan(c, what, g, micro_batches=1):
     c.true(f"{what}: no collective stream with tasks in {sorted(plan.streams)}",
            len(plan.streams.get(f"r{me}:collective", [])) > 0)
     c.true(f"{what}: plan.micro_batches {plan.micro_batches} != {micro_batches}", plan.micro_batches == micro_batches)
-
-
-def balanced(n, k):
-    return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
 def data(seed, *shape):
@@ -219,23 +210,12 @@ def section_forward_2x2():
 
 
 # -- training ------------------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d=6, hidden=10):
+class DropoutNet(Net):
+    """tests/nn's Net with dropout after every block."""
+
+    def __init__(self, dropout=0.0):
         super().__init__()
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
-
-
-class MLP(nn.Module):
-    def __init__(self, d=6, hidden=10, layers=2, dropout=0.0):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(d, hidden) for _ in range(layers)])
         self.drop = nn.Dropout(dropout)
-        self.head = nn.Linear(d, 3, bias=False)
 
     def forward(self, x):
         for blk in self.blocks:
@@ -243,21 +223,12 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-MEGATRON_2X2 = gnn.megatron_plan(column=["*.up"], row=["*.down"], axis=1, ndim=2)   # data x tensor
-
-
 def make_model(p2, optimizer, dropout=0.0):
+    """The Megatron-planned net on 2x2 (data x tensor), its optimizer and training step."""
     torch.manual_seed(0)
-    m = gnn.distribute_module(MLP(dropout=dropout), p2, MEGATRON_2X2)
+    m = gnn.distribute_module(DropoutNet(dropout), p2, MEGATRON_2D)
     opt = optimizer(m)
-
-    def step(x, y):
-        loss = ((m(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return m, opt, step
+    return m, opt, training_step(lambda x, y: ((m(x) - y) ** 2).mean(), opt)
 
 
 OPTIMIZERS = {
@@ -319,14 +290,7 @@ def section_hand_placed():
         w2 = gt.distribute(data(9, 10, 3), p2, (B, S(0))).requires_grad_()
         params = [w1, b1, w2]
         opt = torch.optim.AdamW(params, lr=0.02)
-
-        def step(x, y):
-            loss = ((torch.relu(x @ w1 + b1) @ w2 - y) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return params, opt, step
+        return params, opt, training_step(lambda x, y: ((torch.relu(x @ w1 + b1) @ w2 - y) ** 2).mean(), opt)
     params_e, opt_e, step_e = make()
     params_c, opt_c, step_c = make()
     g = gt.compile(step_c)
@@ -418,14 +382,7 @@ def two_stage(pa, pb, optimizer):
     def forward(x):
         h = torch.tanh(x @ w1 + b1)
         return h.to_global(placement=pb, sbp=S(0)) @ w2
-
-    def step(x, y):
-        loss = ((forward(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return params, forward, step
+    return params, forward, training_step(lambda x, y: ((forward(x) - y) ** 2).mean(), opt)
 
 
 def micro(t, m, j):
@@ -470,16 +427,6 @@ def section_pipeline_parallel():
 
 SECTIONS = [section_forward_1d, section_forward_2x2, section_training, section_hand_placed, section_dropout,
             section_pipeline, section_pipeline_parallel]
-
-
-def run_equal():
-    for section in SECTIONS:
-        name = section.__name__[len("section_"):]
-        try:
-            section()
-        except Exception:
-            emit(name, error=traceback.format_exc())
-            raise  # uncaught: the rank exits at once, and the launcher ends the job
 
 
 # -- failures ------------------------------------------------------------------------------------------
@@ -563,7 +510,7 @@ def run_fail_rank0(stay_alive):
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "equal":
-        run_equal()
+        run_sections(SECTIONS)
     elif mode == "fail-all":
         run_fail_all()
     elif mode in ("fail-rank0", "fail-rank0-alive"):

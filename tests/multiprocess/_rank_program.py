@@ -223,8 +223,9 @@ def section_subset():
 SECTIONS = [section_world, section_conversions, section_random, section_from_local, section_subset]
 
 
-def main():
-    for section in SECTIONS:
+def run_sections(sections):
+    """Run the ``section_*`` functions in order; one that raises is reported, then ends the rank."""
+    for section in sections:
         name = section.__name__[len("section_"):]
         try:
             section()
@@ -234,4 +235,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_sections(SECTIONS)

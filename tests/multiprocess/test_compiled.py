@@ -113,14 +113,23 @@ def test_op_raising_on_every_rank_is_a_graph_error_on_every_rank(launch):
     assert "not_reached" not in job.stdout, job.describe()
 
 
-def test_op_raising_on_rank_0_only_fails_the_others_once_rank_0_exits(launch):
-    timeout_s = 20
-    job = launch(PROGRAM, N, args=["fail-rank0"], check=False, collective_timeout=timeout_s, timeout=90,
+def _launch_rank0_failure(launch, mode: str, collective_timeout_s: float):
+    """Launch ``mode`` (the op raising on rank 0 only) and check how the failing call ended on each rank:
+    on rank 0 a GraphError naming the op, on the others one naming the all-gather they waited in.
+    Returns the job and ``{rank: record}``."""
+    job = launch(PROGRAM, N, args=[mode], check=False, collective_timeout=collective_timeout_s, timeout=90,
                  launcher_args=["--grace", "15"])
     errors = _error_records(job, "fail_rank0_error")
     _assert_op_error(errors[0], 0, job)
     for r in range(1, N):
         _assert_collective_error(errors[r], r, job)
+    return job, errors
+
+
+def test_op_raising_on_rank_0_only_fails_the_others_once_rank_0_exits(launch):
+    timeout_s = 20
+    job, errors = _launch_rank0_failure(launch, "fail-rank0", timeout_s)
+    for r in range(1, N):
         # they leave when rank 0's process is gone, not at the collective timeout
         assert errors[r]["seconds"] < timeout_s - 5, \
             f"rank {r} waited {errors[r]['seconds']} s in the all-gather\n" + job.describe()
@@ -131,12 +140,8 @@ def test_op_raising_on_rank_0_only_fails_the_others_once_rank_0_exits(launch):
 
 def test_op_raising_on_rank_0_alive_fails_the_others_at_the_collective_timeout(launch):
     timeout_s = 6
-    job = launch(PROGRAM, N, args=["fail-rank0-alive"], check=False, collective_timeout=timeout_s, timeout=90,
-                 launcher_args=["--grace", "15"])
-    errors = _error_records(job, "fail_rank0_error")
-    _assert_op_error(errors[0], 0, job)
+    job, errors = _launch_rank0_failure(launch, "fail-rank0-alive", timeout_s)
     for r in range(1, N):
-        _assert_collective_error(errors[r], r, job)
         assert timeout_s - 1 <= errors[r]["seconds"] < timeout_s + PROMPT_S, \
             f"rank {r} left the all-gather after {errors[r]['seconds']} s (timeout {timeout_s} s)\n" + job.describe()
     assert job.returncode == 1, job.describe()

@@ -1,4 +1,8 @@
-"""Small models for the gt.nn tests: linears that a Megatron plan can split, a layer norm, a buffer."""
+"""Small models for the gt.nn tests: linears that a Megatron plan can split, a layer norm, a buffer.
+
+Also ``training_step``, the step that the gt.compile tests (tests/actor_rt, and the launched
+tests/multiprocess/_compiled_program.py) run eagerly on one copy of a model and compile on another.
+"""
 from __future__ import annotations
 
 import torch
@@ -70,3 +74,19 @@ def train_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps: int) -
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
+
+
+def training_step(loss_fn, opt, *, zero_grad_first: bool = False):
+    """A training step: ``loss_fn(*batch)``, its backward, ``opt.step()``, the gradients zeroed; it
+    returns the loss, detached. With ``zero_grad_first`` the gradients are zeroed before the forward
+    instead, so that the ``.grad`` a step leaves can be compared after it."""
+    def step(*batch):
+        if zero_grad_first:
+            opt.zero_grad()
+        loss = loss_fn(*batch)
+        loss.backward()
+        opt.step()
+        if not zero_grad_first:
+            opt.zero_grad()
+        return loss.detach()
+    return step

@@ -1,5 +1,5 @@
-"""gt.compile on examples/gpt.py's GPT, 2x2 data x tensor placement, AdamW: the compiled copy trains step
-by step as the eager one. After every step its loss, every parameter and AdamW's moments equal the
+"""gt.compile on examples/gpt.py's GPT, 2x2 data x tensor placement, AdamW: the compiled copy (of
+examples/demo.py's train_step) trains step by step as the eager one. After every step its loss, every parameter and AdamW's moments equal the
 eager copy's, in float64 (see training_helpers.TOL): call 0 runs eagerly, call 1 captures and runs
 the graph, calls 2 and 3 run the graph."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import globaltensor as gt
 import globaltensor.nn as gnn
-from training_helpers import BATCH, CFG, SEQ, TOL, GPT, S, B, make_batch, megatron
+from training_helpers import BATCH, CFG, SEQ, TOL, GPT, S, B, default_dtype, make_batch, megatron, train_step
 
 STEPS = 4
 
@@ -20,22 +20,8 @@ STEPS = 4
 def float64():
     """float64 as torch's default dtype: AdamW's step counter takes it, and the compiled (capturable)
     AdamW computes its bias corrections in the counter's dtype."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with default_dtype(torch.float64):
         yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def train_step(model, opt):
-    def step(idx, targets):
-        loss = model.loss(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return step
 
 
 def test_compiled_gpt_trains_as_the_eager_one(p2, float64):

@@ -18,6 +18,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch  # noqa: E402
+from demo import default_dtype, train_step  # noqa: E402, F401 -- for test_compiled_gpt: the step demo.py compiles
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 CFG = GPTConfig()                      # vocab 64, d 32, 4 heads, 2 layers, block 16
