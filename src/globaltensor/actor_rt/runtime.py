@@ -83,7 +83,8 @@ class Feed:
         self.regs: list = [None] * registers
         self.done = 0
         self.cond = threading.Condition()
-        self.consumers: list = []
+        self.consumers: list = []      # the tasks reading it
+        self.notify: list = []         # their streams, but the caller's own
 
 
 def _fold(acc, x, j: int, m: int):
@@ -235,6 +236,8 @@ def _picker(slots: list):
 
 
 class Runtime:
+    """One compiled graph's actors, streams and threads; ``run`` feeds it iterations."""
+
     def __init__(self, program: Program, timeline: bool = True, measure_memory: bool = False):
         self.program = program
         self.world = get_world()
