@@ -7,6 +7,7 @@ reduce-scatter; all-to-all: the pieces sent to other ranks; broadcast and send: 
 """
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List
@@ -50,6 +51,7 @@ class CommStats:
 
 
 _active: List[CommStats] = []
+_lock = threading.Lock()
 
 
 class comm_stats:
@@ -83,8 +85,9 @@ class paused:
 def record(op: str, group: tuple, bytes_per_rank: Dict[int, int]) -> None:
     if _active:
         rec = CollectiveRecord(op, tuple(group), dict(bytes_per_rank))
-        for s in _active:
-            s.add(rec)
+        with _lock:                 # a compiled graph's collective streams record from their threads
+            for s in _active:
+                s.add(rec)
 
 
 def recording() -> bool:
