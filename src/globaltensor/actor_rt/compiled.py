@@ -164,8 +164,7 @@ class CompiledFunction:
             if graph is not None and hyper_parameters(graph.optimizers) != graph.hyper:
                 warnings.warn("gt.compile: an optimizer's hyper-parameters changed since the capture; capturing "
                               "again (pass lr as a tensor to change it without a new capture)", stacklevel=3)
-                graph.runtime.close()
-                graph = self._graphs.pop(key)
+                self._graphs.pop(key).runtime.close()
                 graph = None
             if graph is None:
                 results += self._flush(batch, batch_key)
