@@ -55,38 +55,37 @@ def _flatten(args: tuple, kwargs: dict):
     return tree_flatten((args, kwargs))
 
 
-def _micro_length(leaf, i: int, m: int) -> None:
-    n = leaf.shape[0] if leaf.dim() else 0
-    if leaf.dim() == 0 or n % m:
-        raise ValueError(f"gt.compile(micro_batches={m}): tensor argument {i} has shape {tuple(leaf.shape)}; "
-                         f"its dim 0 must split into {m} equal micro-batches")
+def _micro_slice(t: torch.Tensor, m: int, j: int) -> torch.Tensor:
+    """The ``j``-th of ``m`` equal parts of ``t`` along dim 0."""
+    n = t.shape[0] // m
+    return t.narrow(0, j * n, n)
 
 
 def micro_batch(leaf, i: int, m: int, j: int):
     """Micro-batch ``j`` of ``m`` of a tensor argument: each rank's piece split along dim 0."""
     if not isinstance(leaf, torch.Tensor):
         return leaf
-    _micro_length(leaf, i, m)
+    if leaf.dim() == 0 or leaf.shape[0] % m:
+        raise ValueError(f"gt.compile(micro_batches={m}): tensor argument {i} has shape {tuple(leaf.shape)}; "
+                         f"its dim 0 must split into {m} equal micro-batches")
     if not isinstance(leaf, GlobalTensor):
-        n = leaf.shape[0] // m
-        return leaf.detach().narrow(0, j * n, n).requires_grad_(leaf.requires_grad)
+        return _micro_slice(leaf.detach(), m, j).requires_grad_(leaf.requires_grad)
     layout = leaf._layout
     small = Layout((layout.shape[0] // m,) + tuple(layout.shape[1:]), layout.dtype, layout.placement, layout.nd_sbp)
     pieces = {}
     for r, piece in leaf._pieces.items():
-        n = piece.shape[0] // m
-        if piece.shape[0] % m or small.piece_shape(r) != (n,) + tuple(piece.shape[1:]):
+        if piece.shape[0] % m or small.piece_shape(r) != (piece.shape[0] // m,) + tuple(piece.shape[1:]):
             raise ValueError(f"gt.compile(micro_batches={m}): tensor argument {i} ({layout.nd_sbp} of shape "
                              f"{layout.shape}) does not split into {m} micro-batches of equal pieces on rank {r}")
-        pieces[r] = piece.detach().narrow(0, j * n, n)
+        pieces[r] = _micro_slice(piece.detach(), m, j)
     return GlobalTensor(small, pieces).requires_grad_(leaf.requires_grad)
 
 
 class _Graph:
     """One captured meta: its program, runtime and the optimizers it steps."""
 
-    def __init__(self, program: Program, runtime: Runtime, optimizers: list, consumed: int):
-        self.program, self.runtime, self.optimizers = program, runtime, optimizers
+    def __init__(self, program: Program, runtime: Runtime, optimizers: list, consumed: int, out_spec):
+        self.program, self.runtime, self.optimizers, self.out_spec = program, runtime, optimizers, out_spec
         self.hyper = hyper_parameters(optimizers)
         self.consumed = consumed
         self.slots: list = []              # the sink refs, by result slot
@@ -206,8 +205,7 @@ class CompiledFunction:
                 x = leaves[i]
                 piece = x._pieces[rank] if rank is not None else x
                 if m > 1:
-                    n = piece.shape[0] // m
-                    piece = piece.narrow(0, mb * n, n)
+                    piece = _micro_slice(piece, m, mb)
                 feed.append(piece.detach() if piece.requires_grad else piece)
             else:
                 _, offset, stream, device, mb = spec
@@ -230,7 +228,7 @@ class CompiledFunction:
                 t._pieces[r] = graph.value(row, feed, s)
         for i, layout, slots in graph.grad_rebinds:
             leaves[i].grad = GlobalTensor(layout, {r: graph.value(row, feed, s) for r, s in slots.items()})
-        spec = graph.program_spec
+        spec = graph.out_spec
         return out_leaves[0] if spec.is_leaf() else tree_unflatten(out_leaves, spec)
 
     # -- capturing ------------------------------------------------------------------------
@@ -251,8 +249,7 @@ class CompiledFunction:
         program = lower(cap, micro_batches=m, registers=self.registers,
                         collective_rank=None if world.simulated else world.rank, streams=self.streams)
         runtime = Runtime(program, timeline=self.timeline, measure_memory=self.measure_memory)
-        graph = _Graph(program, runtime, stepped, cap.rng_consumed)
-        graph.program_spec = cap.out_spec
+        graph = _Graph(program, runtime, stepped, cap.rng_consumed, cap.out_spec)
         self.captures += 1
         return graph
 

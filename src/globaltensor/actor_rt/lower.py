@@ -45,7 +45,6 @@ class TaskSpec:
     deps: List[Tuple[int, int]] = field(default_factory=list)   # ordering edges: (task id, delay 0 or 1)
     registers: int = 2
     nbytes: int = 0                 # bytes one register of its outputs holds
-    n_out: int = 1
     device: object = None
     fold: Optional[Tuple[int, int]] = None     # an accumulator: (micro-batch j, of m)
 
@@ -194,7 +193,7 @@ class _Builder:
                                           for x in inputs)
                 name = n.name + (f"#mb{mb}" if m > 1 and mb is not None else "")
                 t = TaskSpec(len(self.tasks), name, n, mb, rank, f"r{rank}:{n.stream}", inputs,
-                             n_out=len(n.outs), nbytes=sum(cap.values[o].nbytes for o in n.outs), device=n.device)
+                             nbytes=sum(cap.values[o].nbytes for o in n.outs), device=n.device)
                 self.instance[(i, mb)] = t.id
                 if late:
                     self.late.add(t.id)

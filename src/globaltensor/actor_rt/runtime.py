@@ -79,7 +79,7 @@ class Feed:
     """The caller's side: it fills a register with each iteration's arguments and random keys."""
 
     def __init__(self, registers: int):
-        self.name, self.k = "feed", registers
+        self.k = registers
         self.regs: list = [None] * registers
         self.done = 0
         self.cond = threading.Condition()
@@ -244,8 +244,7 @@ class Runtime:
         self.timeline_on, self.measure = timeline, measure_memory
         self.timeline: list = []
         self.peak_bytes = 0
-        self.failed = None
-        self.broken = False
+        self.failed = None             # (exception, task) once a task raised: the graph is broken
         self.lock = threading.Lock()
         self.done_cond = threading.Condition()
         specs = program.tasks
@@ -423,7 +422,6 @@ class Runtime:
         with self.lock:
             if self.failed is None:
                 self.failed = (e, t)
-        self.broken = True
         for s in self.streams.values():
             with s.cond:
                 s.cond.notify_all()
@@ -449,7 +447,7 @@ class Runtime:
     # -- a run ----------------------------------------------------------------------------
     def run(self, feeds: List[list], sink_count: int) -> List[list]:
         """Run ``len(feeds)`` iterations, overlapping as the credits allow; each iteration's sink values."""
-        if self.broken:
+        if self.failed is not None:
             raise GraphError("globaltensor: this compiled graph failed before and cannot run again")
         self._start()
         base = self.feed.done

@@ -137,8 +137,7 @@ class World(ABC):
 
     def count(self, op: str, group: tuple, bytes_per_rank: Dict[int, int]) -> None:
         """A collective of a group this process holds no rank of: counted in gt.comm_stats(), not run."""
-        _run("count", self, (op, group, bytes_per_rank),
-             lambda: stats.record(op, group, bytes_per_rank) if stats.recording() else None)
+        _run("count", self, (op, group, bytes_per_rank), lambda: stats.record(op, group, bytes_per_rank))
 
     # -- implementations ----------------------------------------------------------------
     @abstractmethod
