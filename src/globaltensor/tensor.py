@@ -147,6 +147,19 @@ class GlobalTensor(torch.Tensor):
     def item(self):
         return self.full_tensor().item()
 
+    # -- torch.distributed.checkpoint (see dcp_protocol.py) -------------------------------
+    def __create_write_items__(self, fqn: str, object) -> list:
+        from .dcp_protocol import create_write_items
+        return create_write_items(self, fqn, box)
+
+    def __create_chunk_list__(self) -> list:
+        from .dcp_protocol import create_chunk_list
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        from .dcp_protocol import get_tensor_shard
+        return get_tensor_shard(self, index)
+
     # -- conversion -----------------------------------------------------------------------
     def to_global(self, placement: Optional[Placement] = None, sbp=None, *, grad_sbp=None) -> "GlobalTensor":
         """Box to ``placement`` / ``sbp`` (either may be left out to keep it); differentiable.

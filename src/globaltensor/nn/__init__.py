@@ -7,6 +7,8 @@ from .distribute import distribute_module, full_state_dict, match_plan
 from .plans import (COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, column_parallel, layer_plan, megatron_plan, on_axis,
                     row_parallel)
 from .zero import ZeroOptimizer, shard_sbp
+from .optim_state import init_optimizer_state
 
 __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLEL", "ROW_PARALLEL", "REPLICATED",
-           "column_parallel", "row_parallel", "layer_plan", "megatron_plan", "on_axis", "ZeroOptimizer", "shard_sbp"]
+           "column_parallel", "row_parallel", "layer_plan", "megatron_plan", "on_axis", "ZeroOptimizer", "shard_sbp",
+           "init_optimizer_state"]
