@@ -19,8 +19,10 @@ from .inspect import boxing_plan
 from .viz import render_sharding, visualize
 from . import nn
 from .actor_rt import CaptureError, CompileError, CompiledFunction, GraphError, compile
+from .interop import from_dtensor, install_to_dtensor, to_dtensor
 
 install_tensor_methods()
+install_to_dtensor()
 
 __version__ = "0.1.0"
 
@@ -29,4 +31,5 @@ __all__ = [
     "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
     "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding", "nn",
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
+    "to_dtensor", "from_dtensor",
 ]

@@ -1,0 +1,121 @@
+"""Global tensors to DTensor and back: ``x.to_dtensor()`` and ``gt.from_dtensor(d)``.
+
+A placement is a DeviceMesh (same device type, same ranks in the same array), an nd-SBP is
+DTensor placements axis for axis: ``split(d)`` is ``Shard(d)``, ``broadcast`` is ``Replicate()``,
+``partial_sum`` is ``Partial("sum")``. Each rank's local piece is handed over as it is (the
+same storage) when both libraries cut the tensor the same way; where an uneven split differs
+(balanced here, ``torch.chunk``-style in DTensor, see chunk_layout.py) the rows that change
+owner move point to point. Both conversions are differentiable and collective (every rank of
+the world calls them, as DeviceMesh creation and the moves need).
+
+DTensor holds one rank's piece per process, so both need a process world (torch.distributed
+initialised, e.g. under ``globaltensor.launch`` or torchrun); a simulated world raises.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..comm import get_world
+from ..placement import Placement
+from ..sbp import broadcast, partial_sum, split
+from ..tensor import GlobalTensor, to_global
+from .repartition import Repartition
+
+_meshes: dict = {}        # placement -> the DeviceMesh used for it (made here or met in from_dtensor)
+
+
+def _require_process_world(what: str) -> None:
+    if get_world().simulated:
+        raise RuntimeError(f"{what}: DTensor keeps one rank's piece per process and needs a process world "
+                           f"(torch.distributed initialised: launch with `python -m globaltensor.launch` or "
+                           f"torchrun); this process simulates {get_world().size} ranks")
+
+
+def placement_of_mesh(mesh: DeviceMesh) -> Placement:
+    """The placement with ``mesh``'s device type and rank array."""
+    return Placement(mesh.device_type, mesh.mesh.tolist())
+
+
+def mesh_of_placement(placement: Placement) -> DeviceMesh:
+    """The DeviceMesh of ``placement``: the one met for it before, else a new one (made on every rank:
+    it creates process groups)."""
+    mesh = _meshes.get(placement)
+    if mesh is None:
+        mesh = _meshes[placement] = DeviceMesh(placement.type, torch.as_tensor(placement.ranks))
+    return mesh
+
+
+def dtensor_placements(nd_sbp: tuple) -> tuple:
+    """DTensor placements for an nd-SBP, axis for axis."""
+    return tuple(Shard(v.dim) if v.is_split else Replicate() if v.is_broadcast else Partial("sum") for v in nd_sbp)
+
+
+def sbp_of_placements(placements, name: str = "from_dtensor") -> tuple:
+    """The nd-SBP of DTensor ``placements``; a ValueError for one globaltensor has no equal of."""
+    out = []
+    for p in placements:
+        if isinstance(p, Shard) and not isinstance(p, _StridedShard):
+            out.append(split(p.dim))
+        elif isinstance(p, Replicate):
+            out.append(broadcast)
+        elif type(p) is Partial and p.reduce_op == "sum":
+            out.append(partial_sum)
+        else:
+            raise ValueError(f"{name}: DTensor placement {p!r} has no SBP equal; expected Shard(d), Replicate() "
+                             f"or Partial('sum')")
+    return tuple(out)
+
+
+def _check_default_shard_order(d: DTensor) -> None:
+    spec = d._spec
+    order = getattr(spec, "shard_order", None)
+    if order is not None and order != spec.compute_default_shard_order(spec.placements):
+        raise ValueError(f"from_dtensor: the DTensor shards a dim over several mesh dims in the order {order}; "
+                         f"globaltensor cuts in mesh-dim order, {spec.compute_default_shard_order(spec.placements)}")
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def to_dtensor(x: GlobalTensor, mesh: Optional[DeviceMesh] = None) -> DTensor:
+    """``x`` as a DTensor on its placement's DeviceMesh (or ``mesh``, which must have the same ranks),
+    sharing each rank's piece where the two libraries cut it alike; collective, differentiable."""
+    if not isinstance(x, GlobalTensor):
+        raise TypeError(f"to_dtensor: expected a global tensor, got {type(x).__name__}")
+    _require_process_world("to_dtensor")
+    placement = x.placement
+    if mesh is not None:
+        if placement_of_mesh(mesh) != placement:
+            raise ValueError(f"to_dtensor(mesh=): the mesh is {placement_of_mesh(mesh)}, the tensor's placement is "
+                             f"{placement}; they must be the same ranks")
+        _meshes.setdefault(placement, mesh)
+    mesh = mesh or mesh_of_placement(placement)
+    shape = tuple(x.shape)
+    local = Repartition.apply(x.to_local(), shape, placement, x.sbp, "balanced", "chunk")
+    return DTensor.from_local(local, mesh, dtensor_placements(x.sbp), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_strides(shape))
+
+
+def from_dtensor(d: DTensor) -> GlobalTensor:
+    """DTensor ``d`` as a global tensor on its mesh's ranks, sharing each rank's piece where the two
+    libraries cut it alike; collective, differentiable."""
+    if not isinstance(d, DTensor):
+        raise TypeError(f"from_dtensor: expected a torch.distributed.tensor.DTensor, got {type(d).__name__}")
+    _require_process_world("from_dtensor")
+    nd = sbp_of_placements(d.placements)
+    _check_default_shard_order(d)
+    placement = placement_of_mesh(d.device_mesh)
+    _meshes.setdefault(placement, d.device_mesh)
+    shape = tuple(d.shape)
+    local = Repartition.apply(d.to_local(), shape, placement, nd, "chunk", "balanced")
+    return to_global(local, placement, nd, shape=shape)
