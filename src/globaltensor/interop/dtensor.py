@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -41,12 +42,25 @@ def placement_of_mesh(mesh: DeviceMesh) -> Placement:
     return Placement(mesh.device_type, mesh.mesh.tolist())
 
 
+def _check_ascending(placement: Placement, what: str) -> None:
+    """DTensor's collectives order the ranks of a mesh dim by rank number (torch's ``new_group`` sorts
+    them), its offsets (DCP, ``compute_local_shape_and_global_offset``) by mesh coordinate: the two
+    disagree unless the ranks ascend along every mesh dim, so other meshes are refused."""
+    ranks = placement.ranks
+    for axis in range(ranks.ndim):
+        if ranks.shape[axis] > 1 and not (np.diff(ranks, axis=axis) > 0).all():
+            raise ValueError(f"{what}: the ranks {ranks.tolist()} do not ascend along mesh dim {axis}; DTensor "
+                             f"orders a mesh dim's ranks by number in its collectives and by position in its "
+                             f"offsets, so only ascending meshes convert (move the tensor to such a placement "
+                             f"first with to_global(placement=...))")
+
+
 def mesh_of_placement(placement: Placement) -> DeviceMesh:
     """The DeviceMesh of ``placement``: the one met for it before, else a new one (made on every rank:
     it creates process groups)."""
     mesh = _meshes.get(placement)
     if mesh is None:
-        mesh = _meshes[placement] = DeviceMesh(placement.type, torch.as_tensor(placement.ranks))
+        mesh = _meshes[placement] = DeviceMesh(placement.type, torch.tensor(placement.ranks.tolist()))
     return mesh
 
 
@@ -94,6 +108,7 @@ def to_dtensor(x: GlobalTensor, mesh: Optional[DeviceMesh] = None) -> DTensor:
         raise TypeError(f"to_dtensor: expected a global tensor, got {type(x).__name__}")
     _require_process_world("to_dtensor")
     placement = x.placement
+    _check_ascending(placement, "to_dtensor")
     if mesh is not None:
         if placement_of_mesh(mesh) != placement:
             raise ValueError(f"to_dtensor(mesh=): the mesh is {placement_of_mesh(mesh)}, the tensor's placement is "
@@ -115,7 +130,10 @@ def from_dtensor(d: DTensor) -> GlobalTensor:
     nd = sbp_of_placements(d.placements)
     _check_default_shard_order(d)
     placement = placement_of_mesh(d.device_mesh)
+    _check_ascending(placement, "from_dtensor")
     _meshes.setdefault(placement, d.device_mesh)
     shape = tuple(d.shape)
+    if get_world().rank not in placement.rank_list():     # outside the mesh: an empty piece of the right rank
+        return to_global(d.to_local().new_empty((0,) * len(shape)), placement, nd, shape=shape)
     local = Repartition.apply(d.to_local(), shape, placement, nd, "chunk", "balanced")
     return to_global(local, placement, nd, shape=shape)

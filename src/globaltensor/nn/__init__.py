@@ -8,7 +8,8 @@ from .plans import (COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, column_parallel, 
                     row_parallel)
 from .zero import ZeroOptimizer, shard_sbp
 from .optim_state import init_optimizer_state
+from .dtensor_modules import from_dtensor_module, to_dtensor_module
 
 __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLEL", "ROW_PARALLEL", "REPLICATED",
            "column_parallel", "row_parallel", "layer_plan", "megatron_plan", "on_axis", "ZeroOptimizer", "shard_sbp",
-           "init_optimizer_state"]
+           "init_optimizer_state", "from_dtensor_module", "to_dtensor_module"]
