@@ -3,19 +3,23 @@
 Every rank checks its own pieces against slices of a seeded float64 logical tensor, cut the
 way each library cuts (balanced here, torch.chunk in DTensor, as DTensor's own
 ``distribute_tensor`` gives); a failed check raises, the launcher ends the job and the test
-shows the output. Rank 0 prints ``DONE {json}`` with the number of checks run.
+shows the output. Rank 0 prints ``DONE {json}`` with the number of checks run. The one argument
+is a directory for checkpoints.
 
 Layouts: every S(0)/S(1)/B/P on all ranks (shapes even and uneven: 6 rows over 4 ranks differ
 between the styles), on a sub-mesh (ranks [1, 3] of 4, [1] of 2; 3x2), and on a 4-process world
 every pair on the 2x2 mesh (6x5).
-Then: storage shared where the styles agree, gradients through both conversions, and a module
-distributed by ``parallelize_module`` taken over by globaltensor and handed back.
+Then: storage shared where the styles agree, gradients through both conversions, a module
+distributed by ``parallelize_module`` taken over by globaltensor and handed back, and DCP
+checkpoints written by either library loaded by the other.
 """
 import itertools
 import json
+import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -123,6 +127,21 @@ def module_takeover(placement):
     check(torch.allclose(model(x), want, rtol=1e-12, atol=1e-12), "DTensor runs it again, with its hooks")
 
 
+def checkpoints_across_libraries(placement, path):
+    """DCP writes both libraries' pieces by offset: a DTensor checkpoint (chunk-style offsets) loads
+    into global tensors (balanced) and the other way round."""
+    x_full = logical((6, 5))
+    mesh = mesh_of_placement(placement)
+    dcp.save({"w": distribute_tensor(x_full, mesh, [Shard(0)])}, checkpoint_id=f"{path}/from_dtensor")
+    g = gt.zeros(6, 5, dtype=torch.float64, placement=placement, sbp=S(1))
+    dcp.load({"w": g}, checkpoint_id=f"{path}/from_dtensor")
+    check(torch.equal(g.full_tensor(), x_full), "a DTensor checkpoint loaded into a global tensor")
+    dcp.save({"w": gt.distribute(x_full, placement, S(0))}, checkpoint_id=f"{path}/from_global")
+    d = distribute_tensor(torch.zeros(6, 5, dtype=torch.float64), mesh, [Shard(0)])
+    dcp.load({"w": d}, checkpoint_id=f"{path}/from_global")
+    check(torch.equal(d.full_tensor(), x_full), "a globaltensor checkpoint loaded into a DTensor")
+
+
 def main():
     n = dist.get_world_size()
     placements = [gt.placement("cpu", list(range(n))), gt.placement("cpu", [1, 3] if n == 4 else [1])]
@@ -138,6 +157,7 @@ def main():
             round_trip(placement, nd, shape)
     gradients(placements[0])
     module_takeover(placements[0])
+    checkpoints_across_libraries(placements[0], sys.argv[1])
     if dist.get_rank() == 0:
         print("DONE " + json.dumps({"checks": checks, "ranks": n}), flush=True)
 
