@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint across process worlds: saved by 2 launched gloo processes with one set
 of layouts, loaded by 4 with others (resharding), training resumed; pieces on broadcast axes are
-written once across processes, and DCP's converter makes a plain torch.save file of the result.
+written once across processes; the same files load on simulated ranks, and DCP's converter makes a
+plain torch.save file of them.
 
 Both jobs run tests/multiprocess/_checkpoint_program.py (its docstring lists the layouts).
 """
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import globaltensor as gt
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _checkpoint_program as program  # noqa: E402
@@ -37,6 +41,9 @@ def test_save_on_2_processes_load_on_4_in_other_layouts(launch, tmp_path):
 
     loaded = result(launch(PROGRAM, 4, args=["load", str(path)]))
     program.check(saved, loaded)
+    with gt.simulate(4), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")   # no process group here: intended
+        program.check(saved, program.load(path))                            # the same files on simulated ranks
 
     dcp_to_torch_save(path, tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=True)
