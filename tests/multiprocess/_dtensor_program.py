@@ -87,6 +87,20 @@ def round_trip(placement, nd, shape):
         check(torch.equal(z.to_local(), block(x_full, placement, nd, "balanced")), f"{tag}: from distribute_tensor")
 
 
+def given_mesh(placement):
+    """``to_dtensor(mesh=)`` uses the user's mesh, and a mesh of other ranks is refused naming both."""
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", placement.ranks.tolist())
+    x = gt.distribute(logical((6, 5)), placement, S(0))
+    check(x.to_dtensor(mesh=mesh).device_mesh is mesh, "to_dtensor(mesh=) uses that mesh")
+    other = gt.distribute(logical((6, 5)), gt.placement("cpu", [0]), B)
+    try:
+        other.to_dtensor(mesh=mesh)
+        check(False, "a mesh of other ranks is accepted")
+    except ValueError as e:
+        check("they must be the same ranks" in str(e), f"the error names both: {e}")
+
+
 def gradients(placement):
     """Uneven S(0) both ways: the gradient moves back through both repartitions."""
     x = gt.distribute(logical((6, 5)), placement, S(0)).requires_grad_()
@@ -155,6 +169,7 @@ def main():
     for placement, shapes in zip(placements, [SHAPES, SHAPES[-1:], SHAPES[1:2]]):
         for nd, shape in itertools.product(itertools.product(*[SBPS] * placement.ndim), shapes):
             round_trip(placement, nd, shape)
+    given_mesh(placements[0])
     gradients(placements[0])
     module_takeover(placements[0])
     checkpoints_across_libraries(placements[0], sys.argv[1])
