@@ -26,9 +26,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from . import profile_context, profile_report, stats
+from .profile_report import GLOBAL
 from .profile_text import conversion_text, tensor_text
-
-GLOBAL = "Global"    # the module of collectives outside any module of the profiled model
 
 
 @dataclass(frozen=True)

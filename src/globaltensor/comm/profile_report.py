@@ -6,7 +6,8 @@ from typing import Dict, List, Sequence
 from .profile_text import group_text
 
 KEYS = ("op", "module", "phase", "collective", "group", "conversion")
-GLOBAL = "Global"
+GLOBAL = "Global"               # the module of collectives outside any module of the profiled model
+PHASES = ("forward", "backward")
 
 
 def _check_keys(by: Sequence[str]) -> tuple:
@@ -145,8 +146,9 @@ def tree(events: list, module_types: Dict[str, str]) -> str:
         kind = f" ({module_types[n]})" if n in module_types else ""
         per_rank = _totals(evs)
         lines.append([f"{pad}{n}{kind}", "", "", "", "", f"{len(evs):,}", f"{per_rank[_busiest(per_rank)]:,}"])
-        for phase in ("forward", "backward") + tuple(sorted({e.phase for e in own.get(n, [])} - {"forward", "backward"})):
-            mine = [e for e in own.get(n, []) if e.phase == phase]
+        mine_all = own.get(n, [])
+        for phase in PHASES + tuple(sorted({e.phase for e in mine_all} - set(PHASES))):
+            mine = [e for e in mine_all if e.phase == phase]
             if not mine:
                 continue
             lines.append([f"{pad}  {phase}"])
