@@ -76,6 +76,7 @@ def start_recording(recorder: CommStats) -> None:
 
 
 def stop_recording(recorder: CommStats) -> None:
+    """No more records for ``recorder``."""
     # by identity: two recorders with equal contents (say, both empty) compare equal
     for i in range(len(_active) - 1, -1, -1):
         if _active[i] is recorder:
