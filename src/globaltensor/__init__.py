@@ -8,7 +8,7 @@
 """
 from . import sbp
 from .boxing import Plan, Step
-from .comm import comm_stats, get_world, rank, simulate, world_size
+from .comm import CommProfile, comm_profile, comm_stats, get_world, rank, set_log_level, simulate, world_size
 from .placement import Placement, placement
 from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
 from .ops import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
@@ -32,4 +32,5 @@ __all__ = [
     "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding", "nn",
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
     "to_dtensor", "from_dtensor",
+    "comm_profile", "CommProfile", "set_log_level",
 ]

@@ -12,6 +12,7 @@ import torch
 
 from .boxing import Layout, execute, plan_boxing
 from .comm import get_world
+from .comm.profile_context import run_labelled
 from .placement import Placement
 from .sbp import as_nd_sbp, broadcast
 from .sbp.shape import piece_shape
@@ -108,7 +109,7 @@ class GlobalTensor(torch.Tensor):
         if isinstance(g, GlobalTensor):
             want = getattr(self, "_grad_layout", None) or gradient_layout(self._layout)
             if g._layout != want:
-                g = box(g, want)
+                g = run_labelled("grad read", box, g, want)
                 _grad_slot.__set__(self, g)
         return g
 

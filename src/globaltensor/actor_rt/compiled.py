@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..boxing import Layout
 from ..comm import get_world
+from ..comm.profile_context import run_labelled
 from ..nn.grad_buckets import GradBuckets
 from ..ops import rng
 from ..tensor import GlobalTensor
@@ -188,7 +189,7 @@ class CompiledFunction:
         self._last = graph
         feeds = [self._feed(graph, leaves) for _, _, leaves in batch]
         try:
-            rows = graph.runtime.run(feeds, len(graph.slots))
+            rows = run_labelled("gt.compile graph", graph.runtime.run, feeds, len(graph.slots), phase="compiled")
         except Exception:
             self._graphs.pop(key, None)
             raise

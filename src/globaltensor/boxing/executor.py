@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import profile_context as attribution
 from ..comm.world import World
 from .layout import intersect, relative, take
 from .plan import Plan, Step
 
 
 def execute(plan: Plan, pieces: dict, world: World) -> dict:
+    if attribution.on:                  # a comm_profile is open, or boxings are logged
+        return attribution.within_boxing(plan, run_steps, pieces, world)
+    return run_steps(plan, pieces, world)
+
+
+def run_steps(plan: Plan, pieces: dict, world: World) -> dict:
     for step in plan.steps:
         if step.is_collective:
             world.prepare_groups(step.groups)

@@ -46,11 +46,15 @@ class CommStats:
         for r, b in record.bytes_per_rank.items():
             self.per_rank[r] += b
 
+    def add_paused(self, record: CollectiveRecord) -> None:
+        """A collective run while recording is paused (a capture run): not counted."""
+
     def __repr__(self) -> str:
         return f"CommStats(collectives={self.count}, bytes_sent={self.bytes_sent})"
 
 
 _active: List[CommStats] = []
+_paused: List[CommStats] = []   # the recorders a paused region hides; they see its collectives by add_paused
 _lock = threading.Lock()
 
 
@@ -59,35 +63,51 @@ class comm_stats:
 
     def __enter__(self) -> CommStats:
         self.stats = CommStats()
-        _active.append(self.stats)
+        start_recording(self.stats)
         return self.stats
 
     def __exit__(self, *exc) -> None:
-        # by identity: two recorders with equal contents (say, both empty) compare equal
-        for i in range(len(_active) - 1, -1, -1):
-            if _active[i] is self.stats:
-                del _active[i]
-                break
+        stop_recording(self.stats)
+
+
+def start_recording(recorder: CommStats) -> None:
+    """``recorder.add(record)`` from now on, for every collective run."""
+    _active.append(recorder)
+
+
+def stop_recording(recorder: CommStats) -> None:
+    """No more records for ``recorder``."""
+    # by identity: two recorders with equal contents (say, both empty) compare equal
+    for i in range(len(_active) - 1, -1, -1):
+        if _active[i] is recorder:
+            del _active[i]
+            break
 
 
 class paused:
     """Within, collectives are not recorded (the traced mode's capture run, whose collectives the
-    compiled run performs and counts again)."""
+    compiled run performs and counts again); the hidden recorders see them through ``add_paused``
+    (a profile notes what the capture saw)."""
 
     def __enter__(self) -> None:
         self.saved = _active[:]
+        self.hidden = len(_paused)
+        _paused.extend(self.saved)
         _active.clear()
 
     def __exit__(self, *exc) -> None:
+        del _paused[self.hidden:]
         _active[:] = self.saved + _active
 
 
 def record(op: str, group: tuple, bytes_per_rank: Dict[int, int]) -> None:
-    if _active:
+    if _active or _paused:
         rec = CollectiveRecord(op, tuple(group), dict(bytes_per_rank))
         with _lock:                 # a compiled graph's collective streams record from their threads
             for s in _active:
                 s.add(rec)
+            for s in _paused:
+                s.add_paused(rec)
 
 
 def recording() -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from ..boxing.layout import axis_groups
 from ..comm import get_world
+from ..comm.profile_context import labelled
 from ..comm.world import all_reduce_bytes
 from ..sbp.shape import numel as numel_of
 from ..tensor import GlobalTensor, gradient_layout
@@ -79,6 +80,7 @@ class GradBuckets:
         for key in list(self.pending):
             self._flush(key)
 
+    @labelled("gradient bucket")
     def _flush(self, key) -> None:
         entries = self.pending.pop(key, [])
         self.sizes.pop(key, None)

@@ -29,6 +29,8 @@ from torch._decomp import decomposition_table
 from torch.utils._pytree import tree_flatten
 
 from ..boxing import Layout, plan_boxing
+from ..comm import profile_context as attribution
+from ..comm.profile_log import log_signature, signatures_logged
 from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
 from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
@@ -96,6 +98,8 @@ def _key(func, args, kwargs) -> tuple:
 
 
 def dispatch(cls, func, types, args=(), kwargs=None):
+    if attribution.on and attribution.entering_op():      # a comm_profile is open, or boxings are logged
+        return attribution.within_op(dispatch, cls, func, types, args, kwargs)
     key = _key(func, args, kwargs)
     if not kwargs:
         kwargs = {}
@@ -221,6 +225,8 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     # a candidate taking the inputs as they are costs nothing: no need to plan the others
     exact = [c for c in candidates if all(nd == lay.nd_sbp for lay, nd in zip(in_layouts, c.inputs))]
     chosen = choose(exact, lambda c: (0, 0)) if exact else choose(candidates, cost)
+    if signatures_logged():
+        log_signature(func, in_layouts, chosen, candidates, cost)
     targets = [_intern(lay.with_sbp(nd)) for lay, nd in zip(in_layouts, chosen.inputs)]
     out_layouts = [_intern(Layout(shape, dtype, placement, nd)) for (shape, dtype), nd in zip(out_meta, chosen.outputs)]
     run = LocalRun(func, positions, targets, kind, out_layouts, rule.local,
