@@ -1,0 +1,71 @@
+"""Every how-to under examples/howto trains the small GPT at --tiny size on 4 simulated ranks, in
+float64, and ends equal to the same model trained on one device, to examples/demo.py's TOLERANCE
+(the bound its comment derives for this model and AdamW; the runs differ by the order of sums
+only). Each prints a progress line per step as it goes."""
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import globaltensor as gt
+
+HOWTO = Path(__file__).resolve().parents[2] / "examples" / "howto"
+if str(HOWTO) not in sys.path:
+    sys.path.insert(0, str(HOWTO))
+
+SCRIPTS = ["data_parallel", "tensor_parallel", "hybrid_2d", "zero_optimizer", "fsdp", "loss_parallel", "pipeline"]
+PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\s+[\d.]+\s+[\d.]+\s+[\d,]+\s+\d+\s+\d+ms$")
+
+
+def test_every_howto_script_is_tested():
+    assert sorted(p.stem for p in HOWTO.glob("*.py") if p.stem != "side_by_side") == sorted(SCRIPTS)
+
+
+def _progress(out: str) -> list:
+    return [(int(m[1]), int(m[2])) for m in map(PROGRESS.match, out.splitlines()) if m]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_howto_trains_as_one_device(name, capsys):
+    module = importlib.import_module(name)
+    with gt.simulate(4):
+        result = module.run(["--tiny", "--float64"])
+    out = capsys.readouterr().out
+    assert result.ok, f"{name}: losses {result.loss_error:.1e}, parameters {result.parameter_error:.1e}\n{out}"
+    steps = len(result.losses)
+    assert steps == 3 and result.losses[-1] < result.losses[0], f"{name} did not train: {result.losses}"
+    assert _progress(out) == [(i, steps) for i in range(1, steps + 1)], f"a progress line per step:\n{out}"
+    assert all(b > 0 for b in result.bytes_sent), f"{name}: every step communicates: {result.bytes_sent}"
+    assert "OK: float64 bound" in out
+
+
+def test_loss_parallel_keeps_the_logits_split(capsys):
+    import loss_parallel
+    with gt.simulate(4):
+        loss_parallel.run(["--tiny", "--float64", "--steps", "1"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("logits"))
+    sent, gather = (int(v.replace(",", "")) for v in re.search(r"sent ([\d,]+) bytes.*would send ([\d,]+)", line).groups())
+    assert "sbp (S(1),)" in line and sent < gather, line
+
+
+def test_fsdp_reduce_scatters_gradients_and_keeps_parameters_split(capsys):
+    import fsdp
+    with gt.simulate(4):
+        fsdp.run(["--tiny", "--float64", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"collectives of one forward and backward: .*all_gather x\d+.*reduce_scatter x\d+", out), out
+
+
+def test_a_howto_runs_as_a_script_in_float32():
+    """The command line a user types: float32, the default size would take longer; --tiny, 2 steps."""
+    script = HOWTO / "data_parallel.py"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert _progress(proc.stdout) == [(1, 2), (2, 2)], proc.stdout
+    assert "float32: rounding" in proc.stdout
