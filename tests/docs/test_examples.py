@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import globaltensor as gt
 
 HOWTO = Path(__file__).resolve().parents[2] / "examples" / "howto"
-if str(HOWTO) not in sys.path:
-    sys.path.insert(0, str(HOWTO))
+for _path in (HOWTO, HOWTO.parent):                # the how-tos; demo.py and gpt.py
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 SCRIPTS = ["data_parallel", "tensor_parallel", "hybrid_2d", "zero_optimizer", "fsdp", "loss_parallel", "pipeline"]
 PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\s+[\d.]+\s+[\d.]+\s+[\d,]+\s+\d+\s+\d+ms$")
@@ -69,3 +71,11 @@ def test_a_howto_runs_as_a_script_in_float32():
     assert proc.returncode == 0, proc.stderr
     assert _progress(proc.stdout) == [(1, 2), (2, 2)], proc.stdout
     assert "float32: rounding" in proc.stdout
+
+
+def test_demo_prints_progress_in_its_silent_float64_run(capsys):
+    """examples/demo.py's verdict run prints no table; it still reports each step as it ends."""
+    import demo
+    with gt.simulate(4):
+        demo.train(steps=1, dtype=torch.float64, show=False)
+    assert "float64 run: step 1/1 done" in capsys.readouterr().out
