@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -63,14 +62,14 @@ def test_fsdp_reduce_scatters_gradients_and_keeps_parameters_split(capsys):
     assert re.search(r"collectives of one forward and backward: .*all_gather x\d+.*reduce_scatter x\d+", out), out
 
 
-def test_a_howto_runs_as_a_script_in_float32():
-    """The command line a user types: float32, the default size would take longer; --tiny, 2 steps."""
-    script = HOWTO / "data_parallel.py"
-    proc = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "2"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert _progress(proc.stdout) == [(1, 2), (2, 2)], proc.stdout
-    assert "float32: rounding" in proc.stdout
+def test_a_howto_in_float32_reports_rounding_not_a_verdict(capsys):
+    """The default precision: float32, whose differences from one device are rounding of a size
+    that depends on the CPU, so the script reports them without a verdict."""
+    import data_parallel
+    with gt.simulate(4):
+        result = data_parallel.run(["--tiny", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert len(result.losses) == 2 and "float32: rounding" in out and "OK" not in out, out
 
 
 def test_demo_prints_progress_in_its_silent_float64_run(capsys):
@@ -79,3 +78,12 @@ def test_demo_prints_progress_in_its_silent_float64_run(capsys):
     with gt.simulate(4):
         demo.train(steps=1, dtype=torch.float64, show=False)
     assert "float64 run: step 1/1 done" in capsys.readouterr().out
+
+
+def test_pipeline_howto_launched_as_4_processes(launch):
+    """The command line of docs/howto.md for processes: gloo ranks, stages on [0, 1] and [2, 3], the
+    compiled micro-batched step; rank 0 prints the progress and the float64 verdict."""
+    result = launch(HOWTO / "pipeline.py", 4, args=["--tiny", "--float64"], timeout=240, collective_timeout=120)
+    lines = result.lines(0)
+    assert _progress("\n".join(lines)) == [(1, 3), (2, 3), (3, 3)], result.describe()
+    assert any("OK: float64 bound" in line for line in lines), result.describe()
