@@ -11,11 +11,10 @@ gradient on every rank, as with DDP, and every rank applies the same update.
 """
 from __future__ import annotations
 
-import side_by_side as sbs
-
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 
-S, B = gt.sbp.split, gt.sbp.broadcast
+S = gt.sbp.split
 
 
 def run(argv=None) -> sbs.Result:

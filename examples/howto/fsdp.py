@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import side_by_side as sbs
 import torch
 
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 from gpt import make_batch
 
 S = gt.sbp.split

@@ -12,13 +12,12 @@ this how-to with a compiled copy beside it.
 """
 from __future__ import annotations
 
-import side_by_side as sbs
-
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 from gpt import TENSOR_PARALLEL
 
 S, B = gt.sbp.split, gt.sbp.broadcast
-DATA_AXIS, TENSOR_AXIS = 0, 1
+TENSOR_AXIS = 1                                              # axis 0 of the placement is the data axis
 
 
 def run(argv=None) -> sbs.Result:

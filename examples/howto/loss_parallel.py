@@ -13,11 +13,11 @@ the signature the cross-entropy picks for split logits.
 """
 from __future__ import annotations
 
-import side_by_side as sbs
 import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 from gpt import TENSOR_PARALLEL, make_batch
 
 S, B = gt.sbp.split, gt.sbp.broadcast

@@ -15,10 +15,10 @@ the full-batch step. Call 1 runs eagerly (warm-up), call 2 captures, later calls
 """
 from __future__ import annotations
 
-import side_by_side as sbs
 import torch.nn.functional as F
 
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 
 S = gt.sbp.split
 MICRO_BATCHES = 4

@@ -14,9 +14,8 @@ whole heads.
 """
 from __future__ import annotations
 
-import side_by_side as sbs
-
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 from gpt import TENSOR_PARALLEL
 
 B = gt.sbp.broadcast

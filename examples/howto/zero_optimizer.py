@@ -12,10 +12,10 @@ Reduce-scatter plus all-gather send the bytes of the all-reduce they replace. It
 """
 from __future__ import annotations
 
-import side_by_side as sbs
 import torch
 
 import globaltensor as gt
+import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 from demo import EPS, LR
 
 S = gt.sbp.split
