@@ -8,9 +8,9 @@ MLP's fc1 are column parallel (weight ``[out, in]`` split on ``out``: ``S(0)``),
 and the MLP's fc2 row parallel (``S(1)``). Everything else (embeddings, layer norms, the head) is
 replicated. No layer says how to communicate: the column-parallel output is split on its last
 dim, the row-parallel matmul of that split input gives a partial sum, and the residual add that
-needs the whole value all-reduces it -- one all-reduce per pair in the forward, one in the
-backward, as in Megatron-LM. The qkv output features are laid out head-major, so each rank gets
-whole heads.
+needs the whole value all-reduces it -- one all-reduce per pair in the forward, as in
+Megatron-LM. (The backward's collectives are what its ops' signatures choose, by bytes.) The qkv
+output features are laid out head-major, so each rank gets whole heads.
 """
 from __future__ import annotations
 
