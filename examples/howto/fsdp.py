@@ -7,10 +7,10 @@ batch too. Nothing else changes: when an op meets a split parameter and a split 
 signature it chooses decides what moves -- for a linear layer the cheapest is to all-gather the
 weight (the batch stays split); for the embedding, whose table is split along the vocabulary, it
 is to gather the (small) token ids instead, look each rank's rows up and keep the output a partial
-sum. The backward gathers again where it
-needs the weight, and each gradient comes back in its parameter's layout, ``S(0)``: a
-reduce-scatter instead of DDP's all-reduce. AdamW then updates each rank's shard only, so
-parameters, gradients and optimizer state are all split (ZeRO stage 3, FSDP's FULL_SHARD).
+sum. The backward gathers again where it needs the weight, and each gradient comes back in
+its parameter's layout, ``S(0)``: a partial-sum gradient is reduce-scattered instead of DDP's
+all-reduce. AdamW then updates each rank's shard only, so parameters, gradients and optimizer
+state are all split (ZeRO stage 3, FSDP's FULL_SHARD).
 """
 from __future__ import annotations
 
