@@ -54,12 +54,14 @@ def test_loss_parallel_keeps_the_logits_split(capsys):
     assert "sbp (S(1),)" in line and sent < gather, line
 
 
-def test_fsdp_reduce_scatters_gradients_and_keeps_parameters_split(capsys):
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients(capsys):
     import fsdp
     with gt.simulate(4):
         fsdp.run(["--tiny", "--float64", "--steps", "1"])
     out = capsys.readouterr().out
-    assert re.search(r"collectives of one forward and backward: .*all_gather x\d+.*reduce_scatter x\d+", out), out
+    assert re.search(r"collectives of the forward: [\d,]+ bytes, all_gather x\d+", out), out
+    assert re.search(r"collectives of the backward: .*all_gather x\d+.*reduce_scatter x\d+", out), out
+    assert "wte.weight                   shape (32, 16)   sbp (B,)" in out, "the embedding tables stay replicated"
 
 
 def test_a_howto_in_float32_reports_rounding_not_a_verdict(capsys):
