@@ -133,7 +133,7 @@ COMPARISONS = {"4 ranks vs 1 device": ("eager", "reference"), "compiled vs eager
 def train(steps: int = 5, batch: int = 8, seq: int = 16, cfg: GPTConfig = GPTConfig(),
           dtype: torch.dtype = torch.float32, show: bool = True) -> dict:
     """Train the eager distributed model, its compiled copy and the single-device reference side by side
-    in ``dtype``, printing the table when ``show``; returns what was measured."""
+    in ``dtype``, printing the table when ``show`` (else a progress line per step); returns what was measured."""
     placement = gt.placement("cpu", ranks=[[0, 1], [2, 3]])          # axis 0: data, axis 1: tensor
     plan = gnn.megatron_plan(**TENSOR_PARALLEL, axis=TENSOR_AXIS, ndim=2)
     batch_sbp = (S(0), B)                                            # batch split over the data axis
@@ -172,6 +172,8 @@ def train(steps: int = 5, batch: int = 8, seq: int = 16, cfg: GPTConfig = GPTCon
                     f"{losses['reference'][-1]:>9.6f} {stats_e.bytes_sent:>10,} {stats_c.bytes_sent:>10,} "
                     f"{stats_e.count:>6} {stats_c.count:>8} {time_e:>7.3f}s {time_c:>7.3f}s "
                     f"{MODES[step] if step < len(MODES) else ''}".rstrip())
+            else:
+                log(f"  {str(dtype).removeprefix('torch.')} run: step {step + 1}/{steps} done")
     if show:
         for name, stats in comm.items():
             log(f"collectives per step, {name}: "
@@ -203,6 +205,7 @@ def main(argv=None) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(steps=args.steps)
+        log("\nfor the verdict, the same three runs in float64:")
         check = train(steps=args.steps, dtype=torch.float64, show=False)
     missing = sorted({str(w.message).split(" has no SBP rule")[0].removeprefix("globaltensor: ")
                       for w in caught if "has no SBP rule" in str(w.message)})

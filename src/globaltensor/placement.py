@@ -90,26 +90,32 @@ class Placement:
 
     @property
     def type(self) -> str:
+        """The device type: ``"cpu"`` or ``"cuda"``."""
         return self._type
 
     @property
     def device_type(self) -> str:
+        """The same as ``type`` (OneFlow's name)."""
         return self._type
 
     @property
     def ranks(self) -> np.ndarray:
+        """The ranks as an integer numpy array whose shape is the hierarchy."""
         return self._ranks
 
     @property
     def hierarchy(self) -> tuple:
+        """The shape of the ranks array, e.g. ``(2, 2)``."""
         return tuple(self._ranks.shape)
 
     @property
     def ndim(self) -> int:
+        """The number of placement axes (the length of every nd-SBP on it)."""
         return self._ranks.ndim
 
     @property
     def size(self) -> int:
+        """The number of ranks."""
         return self._ranks.size
 
     def rank_list(self) -> tuple:

@@ -57,6 +57,13 @@ def observe_creation(observer: Optional[Callable]) -> Optional[Callable]:
 
 
 class GlobalTensor(torch.Tensor):
+    """A logical tensor laid out over the ranks of a placement: its meta is global (``shape``,
+    ``dtype``, ``placement``, ``sbp``), its data the pieces of the ranks this process holds.
+
+    Made by ``x.to_global``, ``gt.to_global``, ``gt.distribute`` and the global factories; every
+    torch op on it runs through ``__torch_dispatch__`` (an SBP signature, boxing, the local op on
+    each piece) and autograd works through it.
+    """
     _layout: Layout
     _pieces: dict
     _boxed = None   # the ops layer's kept boxed copy (ops/boxed_copy.py); a class default reads fast
@@ -82,18 +89,22 @@ class GlobalTensor(torch.Tensor):
     # -- meta -----------------------------------------------------------------------------
     @property
     def placement(self) -> Placement:
+        """The ranks that hold pieces of this tensor (1-D or N-D)."""
         return self._layout.placement
 
     @property
     def sbp(self) -> tuple:
+        """The nd-SBP: a tuple with one SBP value per placement axis."""
         return self._layout.nd_sbp
 
     @property
     def is_global(self) -> bool:
+        """True (plain tensors answer False once globaltensor is imported)."""
         return True
 
     @property
     def layout_meta(self) -> Layout:
+        """The layout (global shape, dtype, placement, nd-SBP): every rank's piece, without data."""
         return self._layout
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -140,12 +151,15 @@ class GlobalTensor(torch.Tensor):
         return whole.to_local()
 
     def numpy(self, *, force: bool = False):
+        """The whole logical value as a numpy array, on every rank (a collective)."""
         return self.full_tensor().detach().cpu().numpy()
 
     def tolist(self):
+        """The whole logical value as nested lists, on every rank (a collective)."""
         return self.full_tensor().tolist()
 
     def item(self):
+        """The value of a one-element tensor, on every rank (a collective)."""
         return self.full_tensor().item()
 
     # -- torch.distributed.checkpoint (see dcp_protocol.py) -------------------------------

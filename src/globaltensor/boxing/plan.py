@@ -43,6 +43,7 @@ class Step:
 
     @property
     def bytes(self) -> int:
+        """The most bytes any one rank sends in this step."""
         return max((b for _, b in self.bytes_per_rank), default=0)
 
     def __repr__(self) -> str:
@@ -55,12 +56,14 @@ class Step:
 
 @dataclass(frozen=True)
 class Plan:
+    """A boxing from layout ``src`` to layout ``dst``: its ``steps`` in the order every rank runs them."""
     src: Layout
     dst: Layout
     steps: tuple
 
     @property
     def bytes_per_rank(self) -> dict:
+        """``{rank: bytes}`` each rank sends over the whole plan."""
         out = {}
         for s in self.steps:
             for r, b in s.bytes_per_rank:
@@ -74,6 +77,7 @@ class Plan:
 
     @property
     def collectives(self) -> list:
+        """The names of the steps that issue a collective, in order."""
         return [s.op for s in self.steps if s.is_collective]
 
     def __repr__(self) -> str:

@@ -20,6 +20,9 @@ def _from_environment() -> World:
 
 
 def get_world() -> World:
+    """The current world: the simulated one ``gt.simulate`` set, else a process world made from the
+    environment (a launcher's or torchrun's variables, or an initialised torch.distributed), else a
+    world of one rank."""
     global _world
     if _world is None:
         _world = _from_environment()
@@ -56,6 +59,7 @@ def rank() -> int:
 
 
 def world_size() -> int:
+    """The number of ranks of the current world."""
     return get_world().size
 
 

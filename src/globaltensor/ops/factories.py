@@ -64,12 +64,14 @@ ones = _filled("ones", 1)
 
 
 def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """A global tensor of uninitialised values with the given placement and sbp."""
     layout = _layout(_shape(size), dtype, placement, sbp, "empty")
     return _build(layout, lambda box, dev: torch.empty(_box_shape(box), dtype=layout.dtype, device=dev),
                   requires_grad)
 
 
 def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """A global tensor of ``fill_value`` (bool and int values give bool and int64, as torch.full)."""
     if dtype is None and isinstance(fill_value, bool):
         dtype = torch.bool
     elif dtype is None and isinstance(fill_value, int):
@@ -80,6 +82,7 @@ def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_gra
 
 
 def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """``torch.arange(start, end, step)`` as a 1-D global tensor; each rank makes only its part."""
     if end is None:
         start, end = 0, start
     n = max(0, -(-(end - start) // step)) if all(isinstance(v, int) for v in (start, end, step)) else \

@@ -31,6 +31,7 @@ def as_nd_sbp(sbp, ndim_placement: int, tensor_ndim: Optional[int] = None, name:
 
 
 def normalize_split(v: SbpValue, tensor_ndim: int, name: str = "sbp") -> SbpValue:
+    """``v`` with a negative split dim made positive; ValueError (naming ``name``) when out of range."""
     if not v.is_split:
         return v
     d = v.dim

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 
 def balanced_sizes(n: int, k: int) -> tuple:
+    """The part sizes of ``n`` split over ``k``: the first ``n % k`` get one more."""
     q, r = divmod(n, k)
     return tuple(q + 1 if i < r else q for i in range(k))
 
@@ -33,14 +34,17 @@ def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) ->
 
 
 def piece_shape(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
+    """The shape of the piece held at ``coord`` of the hierarchy."""
     return tuple(l for _, l in piece_ranges(shape, hierarchy, nd_sbp, coord))
 
 
 def piece_offset(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
+    """Where the piece held at ``coord`` starts in the logical tensor, per dim."""
     return tuple(s for s, _ in piece_ranges(shape, hierarchy, nd_sbp, coord))
 
 
 def numel(shape) -> int:
+    """The number of elements of ``shape``."""
     n = 1
     for s in shape:
         n *= s

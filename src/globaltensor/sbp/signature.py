@@ -18,6 +18,7 @@ from .values import broadcast, partial_sum, split
 
 @dataclass(frozen=True)
 class Signature:
+    """A candidate of an op's rule on one placement axis: an SBP per input and per output."""
     inputs: tuple
     outputs: tuple
 
@@ -48,6 +49,7 @@ def parse(text: str) -> Signature:
 
 
 def as_signature(c) -> Signature:
+    """A Signature from a Signature, a string (``"S(0), B -> S(0)"``) or an ``(inputs, outputs)`` pair."""
     if isinstance(c, Signature):
         return c
     if isinstance(c, str):
@@ -57,6 +59,7 @@ def as_signature(c) -> Signature:
 
 
 def all_broadcast(n_in: int, n_out: int) -> Signature:
+    """``(B, ..., B) -> (B, ...)``: the candidate every op has."""
     return Signature((broadcast,) * n_in, (broadcast,) * n_out)
 
 

@@ -37,6 +37,7 @@ class SbpValue:
 
 
 class Split(SbpValue):
+    """``split(dim)``: each rank of the axis holds a balanced slice along ``dim``."""
     __slots__ = ("dim",)
     is_split = True
 
@@ -62,6 +63,7 @@ class Split(SbpValue):
 
 
 class Broadcast(SbpValue):
+    """``broadcast``: each rank of the axis holds the whole tensor."""
     __slots__ = ()
     is_broadcast = True
 
@@ -82,6 +84,7 @@ class Broadcast(SbpValue):
 
 
 class PartialSum(SbpValue):
+    """``partial_sum``: each rank of the axis holds a full-shape tensor; the logical tensor is their sum."""
     __slots__ = ()
     is_partial = True
 
