@@ -56,19 +56,14 @@ def row(measure: str, ours: str, peer: str, ratio: float, goal: float, strict: b
     return [measure, ours, peer, f"{ratio:.3f}x", f"{'<' if strict else '<='} {goal}x", "met" if met else "short"]
 
 
-def _overhead(x, local, peer) -> float:
-    """Median over rounds of (x - local) / (peer - local): overheads over local torch, paired."""
-    return actor_runtime._overhead_ratio(x, local, peer)
-
-
 def eager_rows(res) -> list:
     out = []
     for r in res["rows"]:
         us = lambda v: f"{(v - r['local']) * 1e6:.2f} us"           # noqa: E731
         out.append(row(f"eager overhead, {r['op']} (2 procs) vs thin subclass", us(r["gt"]),
-                       f"thin {us(r['thin'])}", _overhead(r["gt"], r["local"], r["thin"]), 1.2))
+                       f"thin {us(r['thin'])}", eager_overhead._paired_overhead(r["gt"], r["local"], r["thin"]), 1.2))
         out.append(row(f"eager overhead, {r['op']} (2 procs) vs DTensor", us(r["gt"]), f"DTensor {us(r['dt'])}",
-                       _overhead(r["gt"], r["local"], r["dt"]), 1.0, strict=True))
+                       eager_overhead._paired_overhead(r["gt"], r["local"], r["dt"]), 1.0, strict=True))
     return out
 
 
