@@ -196,7 +196,7 @@ class ProcessWorld(World):
     def _all_reduce_async(self, group, pieces):
         me = self.rank
         pg, _ = self._pg(group)
-        t = pieces[me].clone(memory_format=torch.contiguous_format)
+        t = pieces[me].contiguous()                  # reduced in place (all_reduce_async's contract)
         work = self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg, async_op=True))
 
         def finish():

@@ -125,7 +125,8 @@ class World(ABC):
 
     def all_reduce_async(self, group: tuple, pieces: Pieces) -> Started:
         """``all_reduce``, started: the data moves while the caller goes on (process worlds: the
-        backend's async work; simulated: a communication thread). Counted when started."""
+        backend's async work; simulated: a communication thread). Counted when started. The
+        pieces may be reduced in place: give tensors nothing else reads until it is done."""
         t = next(iter(pieces.values()))
         stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
         if _observer is not None:           # a traced call records it as the collective it is

@@ -59,7 +59,7 @@ class GradBuckets:
         self.started: list = []        # (started collectives, entries) of this backward
         self.handles: list = []
         self.watched: set = set()
-        self.flush_queued = False
+        self.backward_id = None        # autograd's id of the backward running (a new one: a new end callback)
         self.flushed_once = False      # the first bucket of each backward is small (FIRST_BUCKET_BYTES)
         self.syncing = True
 
@@ -102,8 +102,9 @@ class GradBuckets:
         key = (g.placement, g.dtype, axes, kind)
         self.pending.setdefault(key, []).append((p, g, want))
         self.sizes[key] = self.sizes.get(key, 0) + g.numel() * g.element_size()
-        if not self.flush_queued:
-            self.flush_queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self.backward_id:           # the first gradient of this backward
+            self.backward_id, self.flushed_once = task, False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         limit = self.bucket_bytes if self.flushed_once else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         if self.sizes[key] >= limit:
@@ -111,7 +112,7 @@ class GradBuckets:
             self._flush(key)
 
     def _end_of_backward(self) -> None:
-        self.flush_queued = self.flushed_once = False
+        self.backward_id = None
         for key in list(self.pending):
             self._flush(key)
         started, self.started = self.started, []
