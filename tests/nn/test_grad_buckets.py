@@ -7,6 +7,8 @@ they are flat or not, so the bucketed gradients equal the unbucketed ones exactl
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -19,9 +21,9 @@ S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 _raw_grad = torch._C.TensorBase.grad
 
 
-def _train(placement, plan, bucket_bytes, zero, backwards=2, steps=2):
+def _train(placement, plan, bucket_bytes, zero, backwards=2, steps=2, no_sync=True):
     """``steps`` SGD steps of the test net, each accumulating ``backwards`` backwards (all but the last
-    inside no_sync); returns the model, each step's gradients (sbp, value) and the collectives of the
+    inside no_sync, unless ``no_sync`` is False); returns the model, each step's gradients (sbp, value) and the collectives of the
     last step's backwards and gradient reads."""
     m = gnn.distribute_module(net().double(), placement, plan, bucket_bytes=bucket_bytes)
     opt = (gnn.ZeroOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9) if zero else
@@ -33,7 +35,7 @@ def _train(placement, plan, bucket_bytes, zero, backwards=2, steps=2):
         with gt.comm_stats() as stats:
             for i in range(backwards):
                 x = gt.randn(8, 6, placement=placement, sbp=batch, dtype=torch.float64)
-                if i < backwards - 1:
+                if i < backwards - 1 and no_sync:
                     with gnn.no_sync(m):
                         m(x).square().mean().backward()
                 else:
@@ -62,6 +64,22 @@ def test_bucketed_equals_unbucketed_with_accumulation(world4, layout, zero):
         assert "reduce_scatter" in stats.ops()
         if layout == "dp":
             assert "all_reduce" not in stats.ops(), stats.ops()
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["sgd", "zero"])
+def test_accumulating_without_no_sync_buckets_each_backward(p2, zero):
+    """Each backward reduces (as DDP without no_sync): the stored, reduced gradients turn partial again
+    before the next one adds to them, so every backward's collectives are the buckets alone."""
+    m0, plain, _ = _train(p2, MEGATRON_2D, 0, zero, steps=1)
+    _, _, accumulated = _train(p2, MEGATRON_2D, 25 * 2 ** 20, zero, steps=1)             # with no_sync
+    m1, twice, each = _train(p2, MEGATRON_2D, 25 * 2 ** 20, zero, steps=1, no_sync=False)
+    for (sbp0, v0), (sbp1, v1), (name, _) in zip(plain[0], twice[0], m0.named_parameters()):
+        assert sbp0 == sbp1, name
+        torch.testing.assert_close(v1, v0, rtol=0, atol=1e-15, msg=name)   # sums in another order
+    # the first backward's reduction is one bucket per group and layout (at most 3 here: the two
+    # data-axis groups and the whole world); one all-reduce per gradient would be 2 per parameter
+    extra = Counter(each.ops()) - Counter(accumulated.ops())
+    assert 0 < sum(extra.values()) <= 3, extra
 
 
 def test_dp_step_collectives_are_the_buckets(p1):

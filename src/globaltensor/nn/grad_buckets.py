@@ -18,8 +18,9 @@ NCCL async work in a process world, a communication thread for simulated ranks);
 the backward starts the last buckets and waits for all of them, so ``backward()`` returns with
 every gradient reduced, as with ``DistributedDataParallel``. Inside :meth:`GradBuckets.no_sync`
 nothing is reduced: gradients accumulate partial over several backwards, and the first backward
-outside reduces the sum. *Traced* (``gt.compile``'s capture): each bucket's all-reduce runs at
-once and is recorded; in the compiled graph it runs on the collective stream while the backward
+outside reduces the sum. A backward outside ``no_sync`` onto gradients already reduced turns them
+partial again first (no communication), so its sum is bucketed too. *Traced* (``gt.compile``'s
+capture): each bucket's all-reduce runs at once and is recorded; in the compiled graph it runs on the collective stream while the backward
 of earlier layers still computes. An eager bucketer stands aside while a call is captured
 (collectives observed): the capture buckets by its own ``bucket_bytes``.
 
@@ -28,6 +29,8 @@ so the collectives line up across processes.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Union
 
@@ -39,7 +42,7 @@ from ..comm import get_world
 from ..comm.stats import ring_bytes
 from ..comm.world import all_reduce_bytes, done, observed
 from ..sbp.shape import numel as numel_of
-from ..tensor import GlobalTensor, gradient_layout
+from ..tensor import GlobalTensor, box, gradient_layout
 
 _raw_grad = torch._C.TensorBase.grad
 FIRST_BUCKET_BYTES = 2 ** 20
@@ -70,6 +73,8 @@ class GradBuckets:
             return
         self.watched.add(id(p))
         self.handles.append(p.register_post_accumulate_grad_hook(self._ready))
+        if self.overlap:
+            self.handles.append(p.register_hook(functools.partial(self._arriving, weakref.ref(p))))
 
     def close(self) -> None:
         """Stop bucketing (the hooks are removed)."""
@@ -88,7 +93,22 @@ class GradBuckets:
         finally:
             self.syncing = previous
 
-    # -- the hook ---------------------------------------------------------------------------
+    # -- the hooks --------------------------------------------------------------------------
+    def _arriving(self, param, grad):
+        """Before a gradient is accumulated into one a bucket reduced (a second backward outside
+        ``no_sync``): the stored gradient becomes partial again, which costs no communication (one
+        rank keeps it, the others hold zeros; a split one is padded), so that autograd's sum is
+        partial and joins a bucket, instead of each gradient being reduced to be added in place."""
+        p = param()
+        g = None if p is None else _raw_grad.__get__(p)
+        if (not self.syncing or observed() or type(g) is not GlobalTensor or type(grad) is not GlobalTensor
+                or g._layout.has_partial or not grad._layout.has_partial or g.shape != grad.shape):
+            return None
+        nd = tuple(v if v.is_partial else u for u, v in zip(g.sbp, grad.sbp))
+        with torch.no_grad():
+            _raw_grad.__set__(p, box(g, g._layout.with_sbp(nd)))
+        return None
+
     def _ready(self, p) -> None:
         if not self.syncing or (self.overlap and observed()):
             return
