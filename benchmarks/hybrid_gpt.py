@@ -33,7 +33,7 @@ def _settings(quick: bool) -> dict:
     return dict(warmup=1, repeats=3, inner=1) if quick else dict(warmup=2, repeats=11, inner=1)
 
 
-def _hand_written(base, cfg, rank: int, dp_group, tp_group, tp_rank: int, tp: int):
+def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
     """This rank's shard of ``base`` with Megatron's f / g on ``tp_group``, wrapped in DDP over ``dp_group``."""
     import copy
 
@@ -145,7 +145,7 @@ def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
     # every rank creates every group, in one order
     dp_groups = {d: dist.new_group([d, d + 2]) for d in (0, 1)}
     tp_groups = {t: dist.new_group([2 * t, 2 * t + 1]) for t in (0, 1)}
-    hand = _hand_written(base, cfg, rank, dp_groups[tensor], tp_groups[data], tensor, 2)
+    hand = _hand_written(base, dp_groups[tensor], tp_groups[data], tensor, 2)
     hopt = torch.optim.SGD(hand.parameters(), lr=GPT_LR)
     n = GPT_BATCH // 2
     li, lt = idx[data * n:(data + 1) * n], tgt[data * n:(data + 1) * n]

@@ -57,7 +57,7 @@ class GradBuckets:
             raise ValueError(f"bucket_bytes: expected a non-negative int, got {bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
-        self.pending: dict = {}        # bucket key -> [(param, grad, target layout, chunks)]
+        self.pending: dict = {}        # bucket key -> [(param, partial gradient, target layout)]
         self.sizes: dict = {}
         self.started: list = []        # (started collectives, entries) of this backward
         self.handles: list = []
