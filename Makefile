@@ -18,10 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
 
 bench: $(STAMP)
-	$(PY) benchmarks/boxing.py
-	$(PY) benchmarks/eager_overhead.py
-	$(PY) benchmarks/tp_mlp.py
-	$(PY) benchmarks/actor_runtime.py
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf .venv

@@ -56,6 +56,21 @@ def observe_creation(observer: Optional[Callable]) -> Optional[Callable]:
     return previous
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def wrap_result(layout, pieces: dict, device, piece) -> "GlobalTensor":
+    """``GlobalTensor(layout, pieces, device=device)`` for an op's fresh result, ``piece`` one of
+    its pieces: the same wrapper, built without the constructor's look-ups (the ops' hot path)."""
+    t = _make_wrapper(GlobalTensor, layout.shape, dtype=layout.dtype, device=device,
+                      strides=None if piece.is_contiguous() else _strides_like(piece, layout.shape))
+    t._layout = layout
+    t._pieces = pieces
+    if _on_create is not None:
+        _on_create(t)
+    return t
+
+
 class GlobalTensor(torch.Tensor):
     """A logical tensor laid out over the ranks of a placement: its meta is global (``shape``,
     ``dtype``, ``placement``, ``sbp``), its data the pieces of the ranks this process holds.

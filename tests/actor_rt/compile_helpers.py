@@ -36,12 +36,13 @@ def assert_parameters_close(m_c, m_e, what: str) -> None:
         assert_close_rel(pc, pe, f"{what}: parameter {name}")
 
 
-def module_maker(placement, plan, optimizer, model=net, *, zero_grad_first: bool = False):
+def module_maker(placement, plan, optimizer, model=net, *, zero_grad_first: bool = False,
+                 bucket_bytes: int = gnn.grad_buckets.DEFAULT_BUCKET_BYTES):
     """A ``make()`` returning (module, optimizer, step): ``model()`` laid out on ``placement`` by
     ``plan``, ``optimizer(module)``, and the training step on the loss ``module(x).square().mean()``.
     ``model`` seeds its own init, so every call gives a copy from the same init."""
     def make():
-        m = gnn.distribute_module(model(), placement, plan)
+        m = gnn.distribute_module(model(), placement, plan, bucket_bytes=bucket_bytes)
         opt = optimizer(m)
         return m, opt, training_step(lambda x: m(x).square().mean(), opt, zero_grad_first=zero_grad_first)
     return make

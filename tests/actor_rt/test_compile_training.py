@@ -161,7 +161,8 @@ def test_lr_scheduler_matches_eager(p1):
 # -- gradient buckets ----------------------------------------------------------------------------
 def _dp_step_stats(placement, bucket_bytes: int, compiled: bool):
     """One data-parallel SGD step after two (warm-up, capture), under gt.comm_stats()."""
-    m, opt, step = module_maker(placement, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))()
+    m, opt, step = module_maker(placement, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                bucket_bytes=bucket_bytes)()
     batches = _batches(placement, S(0))
     fn = gt.compile(step, bucket_bytes=bucket_bytes) if compiled else step
     fn(*batches(0))
@@ -177,18 +178,19 @@ def _ideal_all_reduce_bytes(m, p: int) -> float:
 
 
 def test_bucketed_gradients_fewer_collectives_same_bytes(p1):
-    m_e, eager = _dp_step_stats(p1, 25 * 2 ** 20, compiled=False)
+    m_e, eager = _dp_step_stats(p1, 0, compiled=False)               # each gradient reduced when read
+    m_b, bucketed = _dp_step_stats(p1, 25 * 2 ** 20, compiled=False)  # eager buckets (grad_buckets.py)
     m_c, comp = _dp_step_stats(p1, 25 * 2 ** 20, compiled=True)
     n_params = len(list(m_c.parameters()))
     assert set(eager.ops()) == {"all_reduce"} and eager.count == n_params, eager.ops()
-    assert set(comp.ops()) == {"all_reduce"}, comp.ops()
-    assert comp.count < n_params, f"{comp.count} all-reduces for {n_params} gradients: not bucketed"
-    assert comp.count == 1, "every gradient fits one 25 MB bucket"
+    assert comp.ops() == bucketed.ops() == ["all_reduce"], "every gradient fits one 25 MB bucket"
+    assert comp.bytes_sent == bucketed.bytes_sent
     ideal = _ideal_all_reduce_bytes(m_c, 4)
-    # the same payload as eager's all-reduces; only the rounding of each tensor's ring chunks differs
+    # the same payload as the one-by-one all-reduces; only the rounding of each tensor's ring chunks differs
     assert ideal <= comp.bytes_sent <= eager.bytes_sent, (ideal, comp.bytes_sent, eager.bytes_sent)
     assert eager.bytes_sent - comp.bytes_sent <= n_params * 2 * 3 * 8, (comp.bytes_sent, eager.bytes_sent)
     assert_parameters_close(m_c, m_e, "bucketed step")
+    assert_parameters_close(m_b, m_e, "eager bucketed step")
 
 
 def test_small_buckets_give_several_all_reduces(p1):

@@ -112,20 +112,17 @@ def test_zero_on_the_data_axis_of_a_hybrid_placement(p2):
 
 
 def test_step_reduce_scatters_and_all_gathers_instead_of_all_reducing(p1):
-    """The ZeRO step moves no more bytes than data parallelism's gradient all-reduce, without any all-reduce."""
+    """The ZeRO step moves no more bytes than data parallelism's gradient all-reduce, without any all-reduce
+    (the gradients, bucketed during the backward, reduce-scattered there)."""
     def one_step(zero):
         m = net()
         gnn.distribute_module(m, p1, {})
+        opt = (gnn.ZeroOptimizer(m.parameters(), torch.optim.SGD, lr=0.1) if zero else
+               torch.optim.SGD(m.parameters(), lr=0.1))
         loss = m(gt.distribute(torch.randn(8, 6), p1, S(0))).square().mean()
-        loss.backward()
-        if zero:
-            opt = gnn.ZeroOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
-            with gt.comm_stats() as st:
-                opt.step()
-        else:
-            opt = torch.optim.SGD(m.parameters(), lr=0.1)
-            with gt.comm_stats() as st:
-                opt.step()
+        with gt.comm_stats() as st:
+            loss.backward()
+            opt.step()
         return st
     dp, zero = one_step(False), one_step(True)
     assert set(dp.ops()) == {"all_reduce"}

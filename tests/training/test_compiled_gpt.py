@@ -57,6 +57,7 @@ def test_compiled_gpt_trains_as_the_eager_one(p2, float64):
                                            msg=lambda m: f"step {step}, {name} {key}: {m}")
         losses.append(loss_e.item())
     assert step_c.captures == 1, f"one argument meta, one capture; got {step_c.captures}"
-    # the graph's own collectives: the data-parallel gradients all-reduced in buckets, the same bytes
-    assert stats_c.bytes_sent == stats_e.bytes_sent and stats_c.count < stats_e.count, (stats_c, stats_e)
+    # the graph's own collectives: the data-parallel gradients all-reduced in buckets as eager does
+    # (distribute_module buckets them), the same bytes
+    assert stats_c.bytes_sent == stats_e.bytes_sent and stats_c.count == stats_e.count, (stats_c, stats_e)
     assert losses[-1] < losses[0], f"the model did not train: losses {losses}"

@@ -40,9 +40,9 @@ def test_demo_verdict_holds_on_simulated_ranks(simulated):
     for run in (table, check):
         assert run["captures"] == 1 and len(run["losses"]["compiled"]) == STEPS
         assert run["losses"]["eager"][-1] < run["losses"]["eager"][0], "the model trains"
-    # the compiled step reduces the data-parallel gradients in buckets: fewer collectives, the same bytes
+    # both steps reduce the data-parallel gradients in buckets: the same collectives, the same bytes
     assert table["bytes_sent"]["compiled"] == table["bytes_sent"]["eager"]
-    assert table["collectives"]["compiled"][-1] < table["collectives"]["eager"][-1]
+    assert table["collectives"]["compiled"][-1] == table["collectives"]["eager"][-1]
 
 
 def test_demo_launched_as_4_processes_prints_ok_and_the_simulated_table(launch, simulated):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..sbp.shape import numel
-from .world import World
+from .world import Started, World
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a warning on every run) for all_gather_single.
@@ -192,6 +192,49 @@ class ProcessWorld(World):
         t = pieces[me].clone(memory_format=torch.contiguous_format)
         self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg))
         return {me: t}
+
+    def _all_reduce_async(self, group, pieces):
+        me = self.rank
+        pg, _ = self._pg(group)
+        t = pieces[me].contiguous()                  # reduced in place (all_reduce_async's contract)
+        work = self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg, async_op=True))
+
+        def finish():
+            self._run("all_reduce", group, work.wait)
+            return {me: t}
+        return Started(finish)
+
+    def _reduce_scatter_async(self, group, pieces, sizes):
+        """A flat reduce-scatter, started. gloo: an all-to-all of the parts, summed when waited for
+        (as ``_reduce_scatter``); NCCL: its reduce-scatter."""
+        me = self.rank
+        x = pieces[me].contiguous()
+        pg, order = self._pg(group)
+        i_me = group.index(me)
+        parts = list(torch.split(x, list(sizes)))
+        if x.is_cuda:
+            inputs = [None] * len(group)
+            for i, part in enumerate(parts):
+                inputs[order[i]] = part
+            out = torch.empty_like(parts[i_me])
+            work = self._run("reduce_scatter", group,
+                             lambda: dist.reduce_scatter(out, inputs, group=pg, async_op=True))
+
+            def finish_nccl():
+                self._run("reduce_scatter", group, work.wait)
+                return {me: out}
+            return Started(finish_nccl)
+        by_group_rank = sorted(range(len(group)), key=lambda j: order[j])
+        send_sizes = [sizes[j] for j in by_group_rank]
+        send = x if by_group_rank == list(range(len(group))) else torch.cat([parts[j] for j in by_group_rank])
+        recv = torch.empty(sizes[i_me] * len(group), dtype=x.dtype, device=x.device)
+        work = self._run("reduce_scatter", group, lambda: dist.all_to_all_single(
+            recv, send, [sizes[i_me]] * len(group), send_sizes, group=pg, async_op=True))
+
+        def finish():
+            self._run("reduce_scatter", group, work.wait)
+            return {me: recv.view(len(group), sizes[i_me]).sum(0)}
+        return Started(finish)
 
     def _all_to_all(self, group, chunks, shapes, dtype):
         me = self.rank

@@ -1,9 +1,24 @@
 """SimulatedWorld: n ranks in this process; a collective is a few local tensor ops."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
-from .world import World
+from .world import Started, World
+
+_comm_thread = None
+_comm_thread_lock = threading.Lock()
+
+
+def _thread() -> ThreadPoolExecutor:
+    """The communication thread the simulated ranks' started collectives run on (made on first use)."""
+    global _comm_thread
+    with _comm_thread_lock:
+        if _comm_thread is None:
+            _comm_thread = ThreadPoolExecutor(1, thread_name_prefix="globaltensor-comm")
+        return _comm_thread
 
 
 class SimulatedWorld(World):
@@ -32,6 +47,12 @@ class SimulatedWorld(World):
     def _all_reduce(self, group, pieces):
         total = _sum([pieces[r] for r in group])
         return {r: total if i == 0 else total.clone() for i, r in enumerate(group)}
+
+    def _all_reduce_async(self, group, pieces):
+        return Started(_thread().submit(self._all_reduce, group, pieces).result)
+
+    def _reduce_scatter_async(self, group, pieces, sizes):
+        return Started(_thread().submit(self._reduce_scatter, group, pieces, 0, sizes).result)
 
     def _all_to_all(self, group, chunks, shapes, dtype):
         return {r: [chunks[s][i] for s in group] for i, r in enumerate(group)}

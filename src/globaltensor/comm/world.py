@@ -32,6 +32,11 @@ def observe_collectives(observer) -> object:
     return previous
 
 
+def observed() -> bool:
+    """Whether collectives are being observed (a traced call is being captured)."""
+    return _observer is not None
+
+
 def _run(name: str, world, args: tuple, run):
     if _observer is None:
         return run()
@@ -59,6 +64,24 @@ def all_reduce_bytes(group: tuple, numel: int, itemsize: int) -> Dict[int, int]:
     """Bytes each member sends in a ring all-reduce of ``numel`` elements: twice a reduce-scatter's."""
     chunk = [s * itemsize for s in balanced_sizes(numel, len(group))]
     return {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()}
+
+
+class Started:
+    """A collective started by a ``*_async`` call; ``wait()`` blocks until it is done and returns
+    its pieces (again on later calls)."""
+
+    def __init__(self, finish):
+        self._finish, self._result = finish, None
+
+    def wait(self) -> Pieces:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
+def done(pieces: Pieces) -> Started:
+    """A collective that has already run."""
+    return Started(lambda: pieces)
 
 
 class World(ABC):
@@ -100,6 +123,25 @@ class World(ABC):
         stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
         return _run("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces))
 
+    def all_reduce_async(self, group: tuple, pieces: Pieces) -> Started:
+        """``all_reduce``, started: the data moves while the caller goes on (process worlds: the
+        backend's async work; simulated: a communication thread). Counted when started. The
+        pieces may be reduced in place: give tensors nothing else reads until it is done."""
+        t = next(iter(pieces.values()))
+        stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
+        if _observer is not None:           # a traced call records it as the collective it is
+            return done(_observer("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces)))
+        return self._all_reduce_async(group, pieces)
+
+    def reduce_scatter_async(self, group: tuple, pieces: Pieces, sizes: Sequence[int]) -> Started:
+        """``reduce_scatter`` of flat (1-D) tensors, started as ``all_reduce_async`` is."""
+        t = next(iter(pieces.values()))
+        stats.record("reduce_scatter", group, stats.ring_bytes(group, [s * t.element_size() for s in sizes]))
+        if _observer is not None:
+            return done(_observer("reduce_scatter", self, (group, pieces, 0, sizes),
+                                  lambda: self._reduce_scatter(group, pieces, 0, sizes)))
+        return self._reduce_scatter_async(group, pieces, sizes)
+
     def all_to_all(self, group: tuple, chunks: Dict[int, List[torch.Tensor]], shapes: Sequence[Sequence[tuple]],
                    dtype) -> Dict[int, List[torch.Tensor]]:
         """Member i sends ``chunks[group[i]][j]`` to member j; returns, per member, what each member sent it.
@@ -140,6 +182,12 @@ class World(ABC):
         _run("count", self, (op, group, bytes_per_rank), lambda: stats.record(op, group, bytes_per_rank))
 
     # -- implementations ----------------------------------------------------------------
+    def _all_reduce_async(self, group, pieces) -> Started:
+        return done(self._all_reduce(group, pieces))
+
+    def _reduce_scatter_async(self, group, pieces, sizes) -> Started:
+        return done(self._reduce_scatter(group, pieces, 0, sizes))
+
     @abstractmethod
     def _all_gather(self, group, pieces, dim, sizes) -> Pieces: ...
 

@@ -2,8 +2,10 @@
 
     gt.nn.distribute_module(model, placement, plan)     # plan: {"*.attn.qkv.weight": (B, S(0)), ...}
     opt = gt.nn.ZeroOptimizer(model.parameters(), torch.optim.AdamW, axis=0, lr=1e-3)
+    with gt.nn.no_sync(model): loss.backward()          # accumulate; the next backward reduces
 """
 from .distribute import distribute_module, full_state_dict, match_plan
+from .grad_buckets import GradBuckets, bucket_gradients, no_sync
 from .plans import (COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, column_parallel, layer_plan, megatron_plan, on_axis,
                     row_parallel)
 from .zero import ZeroOptimizer, shard_sbp
@@ -12,4 +14,5 @@ from .dtensor_modules import from_dtensor_module, to_dtensor_module
 
 __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLEL", "ROW_PARALLEL", "REPLICATED",
            "column_parallel", "row_parallel", "layer_plan", "megatron_plan", "on_axis", "ZeroOptimizer", "shard_sbp",
-           "init_optimizer_state", "from_dtensor_module", "to_dtensor_module"]
+           "init_optimizer_state", "from_dtensor_module", "to_dtensor_module",
+           "GradBuckets", "bucket_gradients", "no_sync"]

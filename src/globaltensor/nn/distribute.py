@@ -22,6 +22,7 @@ from ..placement import Placement
 from ..sbp import as_nd_sbp, broadcast
 from ..sbp.values import SbpValue
 from ..tensor import GlobalTensor, distribute
+from .grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucket_gradients
 
 PlanLike = Union[None, Mapping[str, object], Iterable[Tuple[str, object]]]
 
@@ -117,7 +118,7 @@ def _place(t: torch.Tensor, placement: Placement, nd: tuple) -> GlobalTensor:
 
 
 def distribute_module(module: nn.Module, placement: Placement, plan: PlanLike = None, *,
-                      strict: bool = True) -> nn.Module:
+                      strict: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
     """Replace every parameter of ``module`` by ``nn.Parameter`` of a global tensor laid out as
     ``plan`` says, and every buffer by a global tensor; in place. Returns ``module``.
 
@@ -126,7 +127,12 @@ def distribute_module(module: nn.Module, placement: Placement, plan: PlanLike = 
     unmatched names are broadcast on every axis. The current values are the logical tensors:
     they must be equal on every rank. With ``strict`` (default) a pattern matching nothing is
     an error (a typo would otherwise leave a layer replicated silently).
+
+    Data-parallel gradients (partial over an axis where the batch is split) are reduced in
+    buckets of about ``bucket_bytes``, overlapped with the backward (grad_buckets.py); 0 leaves
+    each to be reduced when read. ``gt.nn.no_sync(module)`` accumulates without reducing.
     """
+    GradBuckets(bucket_bytes)           # validates before anything moves
     layouts = match_plan(module, placement, plan, strict=strict)
     done: Dict[int, torch.Tensor] = {}
     for kind in ("parameter", "buffer"):
@@ -140,6 +146,8 @@ def distribute_module(module: nn.Module, placement: Placement, plan: PlanLike = 
                 mod._parameters[attr] = new
             else:
                 mod._buffers[attr] = new
+    if bucket_bytes:
+        bucket_gradients(module, bucket_bytes)
     return module
 
 

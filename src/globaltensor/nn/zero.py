@@ -117,8 +117,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        for p in params:
-            p._sharded_grad = True       # its gradient is reduce-scattered here, not bucketed (grad_buckets.py)
+        for p, s in zip(params, shards):
+            p._sharded_grad = s.sbp      # its gradient is reduce-scattered to this (grad_buckets.py, _load_shards)
         self._shards.update(zip(params, shards))
         self._param_of.update(zip(shards, params))
 

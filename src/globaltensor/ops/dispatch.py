@@ -46,6 +46,7 @@ from .viewwrite import wrap as _views_and_writes
 
 _CACHE: dict = {}
 _UNCACHEABLE = object()
+_KEYWORDS = object()             # separates positional from keyword arguments in a key
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _grad_enabled = torch.is_grad_enabled
 
@@ -71,8 +72,8 @@ def _arg_key(v):
     t = type(v)
     if t is GlobalTensor:
         if v._boxed is not None:
-            return (v._layout, v.requires_grad, copy_layout(v))
-        return (v._layout, True) if v.requires_grad else v._layout
+            return (id(v._layout), v.requires_grad, copy_layout(v))
+        return (id(v._layout), True) if v.requires_grad else id(v._layout)
     if t in _SCALARS:
         return (t, v)
     if t is list or t is tuple:
@@ -91,24 +92,42 @@ def _cacheable(key) -> bool:
 
 
 def _key(func, args, kwargs) -> tuple:
+    """The cache key of a call. The op and the global inputs' layouts enter by ``id``: both hash
+    in Python, and ids are cheap. A layout's id stands for the layout only once it is interned
+    (interned layouts live as long as the process); keys are stored only then. The cached
+    decision holds the op, so its id is not reused while the entry lives."""
+    key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
+    key.extend(map(_arg_key, args))
     if kwargs:
-        return (func, _recording(), tuple(map(_arg_key, args)),
-                tuple((k, _arg_key(v)) for k, v in kwargs.items()))
-    return (func, _recording(), tuple(map(_arg_key, args)))
+        key.append(_KEYWORDS)
+        key.extend((k, _arg_key(v)) for k, v in kwargs.items())
+    return tuple(key)
 
 
 def dispatch(cls, func, types, args=(), kwargs=None):
     if attribution.on and attribution.entering_op():      # a comm_profile is open, or boxings are logged
         return attribution.within_op(dispatch, cls, func, types, args, kwargs)
-    key = _key(func, args, kwargs)
-    if not kwargs:
+    # the hit path is ``_key`` inlined for global tensors without a kept copy, one look-up
+    key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
+    for v in args:
+        if type(v) is GlobalTensor and v._boxed is None:
+            key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
+        else:
+            key.append(_arg_key(v))
+    if kwargs:
+        key.append(_KEYWORDS)
+        key.extend((k, _arg_key(v)) for k, v in kwargs.items())
+    else:
         kwargs = {}
-    decision = _CACHE.get(key)
+    decision = _CACHE.get(tuple(key))
     if decision is None:
-        decision = _decide(func, args, kwargs)
-        if _cacheable(key):
-            _intern_inputs(args, kwargs)
-            _CACHE[_key(func, args, kwargs)] = decision
+        _intern_inputs(args, kwargs)            # equal layouts of other objects: the same key now
+        key = _key(func, args, kwargs)
+        decision = _CACHE.get(key)
+        if decision is None:
+            decision = _decide(func, args, kwargs)
+            if _cacheable(key):
+                _CACHE[key] = decision
     return decision(args, kwargs)
 
 
@@ -159,7 +178,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
         return lambda a, k: run_inplace_view(func, a, k)
     rule = find_rule(func)
     if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
-        return _flat(lambda f, s: run_foreach(func, f, s))
+        return lambda a, k: run_foreach(func, a, k)
     if rule is None:
         decomposed = decomposition_table.get(func) or _composite(func)
         if decomposed is not None:

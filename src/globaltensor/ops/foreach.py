@@ -6,13 +6,16 @@ resolution picks the variant matching the element's arguments.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
-from torch.utils._pytree import tree_unflatten
 
 
-def _per_tensor_op(func):
-    name = func.overloadpacket.__name__[len("_foreach_"):]
-    return getattr(torch.ops.aten, name)
+@lru_cache(maxsize=None)
+def _per_tensor_op(func) -> tuple:
+    """The per-tensor op, its positional capacity and keyword-only names, whether it returns."""
+    op = getattr(torch.ops.aten, func.overloadpacket.__name__[len("_foreach_"):])
+    return (op, *_positional_capacity(op), bool(func._schema.returns))
 
 
 def _positional_capacity(op) -> tuple:
@@ -28,15 +31,17 @@ def _positional_capacity(op) -> tuple:
     return capacity, keywords
 
 
-def run_foreach(func, flat, spec):
-    args, kwargs = tree_unflatten(flat, spec)
+def run_foreach(func, args, kwargs):
     n = next(len(a) for a in args if isinstance(a, (list, tuple)))
-    op = _per_tensor_op(func)
-    capacity, keywords = _positional_capacity(op)
+    op, capacity, keywords, returns = _per_tensor_op(func)
+    lists = [isinstance(a, (list, tuple)) for a in args]
     results = []
     for i in range(n):
-        element = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
-        keyword = dict(kwargs)
-        keyword.update(zip(keywords, element[capacity:]))
-        results.append(op(*element[:capacity], **keyword))
-    return None if func._schema.returns == [] or not func._schema.returns else results
+        element = [a[i] if is_list else a for a, is_list in zip(args, lists)]
+        if len(element) > capacity:
+            keyword = dict(kwargs)
+            keyword.update(zip(keywords, element[capacity:]))
+            results.append(op(*element[:capacity], **keyword))
+        else:
+            results.append(op(*element, **kwargs))
+    return results if returns else None

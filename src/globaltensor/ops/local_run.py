@@ -6,8 +6,9 @@ process holds) is worked out when the decision is made.
 """
 from __future__ import annotations
 
+from ..comm import current as _current
 from ..comm import get_world
-from ..tensor import GlobalTensor, box, replicate
+from ..tensor import GlobalTensor, box, replicate, wrap_result
 from .args import Substitution, get
 from .boxed_copy import box_input
 
@@ -38,33 +39,65 @@ class LocalRun:
 
     def fast(self):
         """This run, or for the common case -- the aten op on each piece, tensors only in flat
-        positional arguments, one fresh tensor out -- a closure doing only that when every
-        input is a global tensor already in its target layout (else it takes this run)."""
+        positional arguments, fresh tensors out or an input written in place -- a closure
+        doing only that when every input is a global tensor already in its target layout (else
+        it takes this run)."""
         flat = self.substitute.flat_indices
-        if (self.kernel is not None or self.local is not None or flat is None or self.out_kind != "tensor"
-                or self.returns_input):
+        several = self.out_kind in ("tuple", "list") and not self.returns_input
+        if (self.kernel is not None or self.local is not None or flat is None
+                or not (several or self.out_kind == "tensor" and not set(self.returns_input) - {0})):
             return self
-        call, targets, out_layout, slow = self.call, self.targets, self.out_layouts[0], self.__call__
+        call, targets, slow = self.call, self.targets, self.__call__
+        out_layout = self.out_layouts[0] if self.out_layouts else None
+        returned = self.returns_input.get(0)        # an in-place op returns its input
+        returned = None if returned is None else flat[returned]
+        may_return_self, wrap = self.may_return_self, wrap_result
+        pairs = list(zip(flat, targets))
+        current = _current
 
         def run(args, kwargs):
-            if get_world() is not self._world:
+            if current._world is not self._world:
                 self._held()
             a = list(args)
-            inputs = [a[i] for i in flat]
-            for v, target in zip(inputs, targets):
+            for i, target in pairs:
+                v = a[i]
                 if type(v) is not GlobalTensor or v._layout is not target:
                     return slow(args, kwargs)
-            results = {}
-            for r in self.ranks:
-                for i, v in zip(flat, inputs):
-                    a[i] = v._pieces[r]
-                results[r] = call(*a, **kwargs)
-            if self.may_return_self:
-                same = self._same_input(results, inputs)
+            if self.single is not None:
+                r = self.single
+                for i, _ in pairs:
+                    a[i] = args[i]._pieces[r]
+                out = call(*a, **kwargs)
+                results = {r: out}
+            else:
+                results = {}
+                for r in self.ranks:
+                    for i, _ in pairs:
+                        a[i] = args[i]._pieces[r]
+                    out = results[r] = call(*a, **kwargs)
+                if not results:                 # no rank of the placement lives here
+                    return slow(args, kwargs)
+            if returned is not None:
+                return args[returned]
+            if several:
+                return self._wrap_several(results, out)
+            if may_return_self:
+                same = self._same_input(results, [args[i] for i in flat])
                 if same is not None:
                     return same
-            return GlobalTensor(out_layout, results, device=self.device)
+            return wrap(out_layout, results, self.device, out)
         return run
+
+    def _wrap_several(self, results: dict, out) -> tuple:
+        """A tuple / list result of fresh tensors (None where the op left an entry out)."""
+        outs, n = [], 0
+        for j, piece in enumerate(out):
+            if piece is None:
+                outs.append(None)
+                continue
+            outs.append(wrap_result(self.out_layouts[n], {r: results[r][j] for r in results}, self.device, piece))
+            n += 1
+        return tuple(outs) if self.out_kind == "tuple" else outs
 
     def _same_input(self, results: dict, inputs: list):
         """The input whose pieces the local op returned as they are, in the output's layout."""
@@ -81,6 +114,7 @@ class LocalRun:
             self.ranks = [r for r in self.placement.rank_list() if world.holds(r)]
             self.devices = {r: world.device(self.placement.type, r) for r in self.ranks}
             self.device = self.devices[self.ranks[0]] if self.ranks else None
+            self.single = self.ranks[0] if len(self.ranks) == 1 else None
         return self.ranks
 
     def _inputs(self, args, kwargs) -> list:

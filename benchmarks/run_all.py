@@ -1,0 +1,172 @@
+"""Every speed goal in one table: each measure beside its peer from the same run, the ratio, met / short.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only JOB,...] [--markdown PATH]
+    make bench
+
+The measures come from the benchmark scripts' workers (boxing.py, eager_overhead.py, tp_mlp.py,
+hybrid_gpt.py, actor_runtime.py), each run once in its own processes ("jobs"), in order, with a
+progress line as each starts and ends. A job that fails gives its rows as n/a; the others still
+run. Adding a measure is one entry of ``MEASURES``: the job it reads and a function of that job's
+result giving its rows. Ratios are ours / peer, paired per round (the median over rounds of the
+two sides' times in the same round; see _harness.py). The scripts themselves print the details.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List
+
+import _harness as H
+import actor_runtime
+import boxing
+import eager_overhead
+import hybrid_gpt
+import tp_mlp
+
+MB4 = 1024                      # boxing: a 1024 x 1024 fp32 tensor, 4 MB
+
+
+# -- jobs: a worker run in its own processes -------------------------------------------------
+JOBS = {
+    "eager": ("eager overhead per op, 2 processes", lambda q: H.spawn(eager_overhead._worker_procs, 2, q, 3)),
+    "boxing2": ("1-D boxing of 4 MB, 2 processes", lambda q: H.spawn(boxing._worker, 2, MB4, q, False)),
+    "boxing4": ("1-D boxing of 4 MB, 4 processes", lambda q: H.spawn(boxing._worker, 4, MB4, q, False)),
+    "tp": ("TP MLP step, 2 processes", lambda q: H.spawn(tp_mlp._worker, 2, q, "sq", 3)),
+    "dp": ("DP GPT step, 2 processes", lambda q: H.spawn(actor_runtime._worker_dp, 2, q)),
+    "hybrid": ("2x2 hybrid GPT step, 4 processes", lambda q: H.spawn(hybrid_gpt._worker, 4, q)),
+    "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
+    "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
+    "rt_pp": ("pipeline, 2 processes", lambda q: H.spawn(actor_runtime._worker_pp, 2, q)),
+}
+
+
+@dataclass
+class Measure:
+    job: str
+    rows: Callable[[dict], List[list]]      # [measure, ours, peer, ratio, goal, met/short] rows
+
+
+def row(measure: str, ours: str, peer: str, ratio: float, goal: float, strict: bool = False) -> list:
+    """A row whose goal is ``ratio <= goal`` (``< goal`` when ``strict``)."""
+    met = ratio < goal if strict else ratio <= goal
+    return [measure, ours, peer, f"{ratio:.3f}x", f"{'<' if strict else '<='} {goal}x", "met" if met else "short"]
+
+
+def eager_rows(res) -> list:
+    out = []
+    for r in res["rows"]:
+        us = lambda v: f"{(v - r['local']) * 1e6:.2f} us"           # noqa: E731
+        out.append(row(f"eager overhead, {r['op']} (2 procs) vs thin subclass", us(r["gt"]),
+                       f"thin {us(r['thin'])}", eager_overhead._paired_overhead(r["gt"], r["local"], r["thin"]), 1.2))
+        out.append(row(f"eager overhead, {r['op']} (2 procs) vs DTensor", us(r["gt"]), f"DTensor {us(r['dt'])}",
+                       eager_overhead._paired_overhead(r["gt"], r["local"], r["dt"]), 1.0, strict=True))
+    return out
+
+
+def boxing_rows(res) -> list:
+    out = []
+    for r in res["one_d"]:
+        name = f"boxing {r['conv']} 4 MB ({r['world']} procs)"
+        ms = lambda v: f"{H.fmt(v)} ms"                              # noqa: E731
+        if r["note"] == "alt raw":
+            out.append(row(f"{name} vs raw {r['raw_name']}", ms(r["gt"]), f"raw {ms(r['raw'])}",
+                           H.paired_ratio(r["gt"], r["raw"]), 1.2))
+            continue
+        if r["dt"] is not None:
+            out.append(row(f"{name} vs DTensor", ms(r["gt"]), f"DTensor {ms(r['dt'])}",
+                           H.paired_ratio(r["gt"], r["dt"]), 1.0))
+        else:
+            out.append([f"{name} vs DTensor", ms(r["gt"]), "n/a (DTensor cannot)", "-", "<= 1.0x", "-"])
+        out.append(row(f"{name} vs raw {r['raw_name']}", ms(r["gt"]), f"raw {ms(r['raw'])}",
+                       H.paired_ratio(r["gt"], r["raw"]), 1.2))
+    return out
+
+
+def step_row(measure: str, ours: str, peer: str, peer_label: str, goal: float) -> Callable[[dict], list]:
+    def rows(res) -> list:
+        t = res["times"]
+        return [row(measure, f"{H.fmt(t[ours])} ms", f"{peer_label} {H.fmt(t[peer])} ms",
+                    H.paired_ratio(t[ours], t[peer]), goal)]
+    return rows
+
+
+def runtime_rows(part: str) -> Callable[[dict], list]:
+    """actor_runtime.py's own summary rows for ``part`` (its detailed tables are not printed here)."""
+    def rows(res) -> list:
+        summary: list = []
+        with contextlib.redirect_stdout(io.StringIO()):
+            if part == "ops":
+                actor_runtime._report_ops(res, summary)
+            elif part == "tp":
+                actor_runtime._report_step(res, "hand", "hand-written", "", "2. TP MLP step", summary)
+            elif part == "dp":
+                actor_runtime._report_step(res, "ddp", "DDP", "", "3. DP GPT step", summary)
+            else:
+                actor_runtime._report_pp(res, summary)
+        return [[f"traced: {r[0][3:]}"] + r[1:] for r in summary]
+    return rows
+
+
+MEASURES = [
+    Measure("eager", eager_rows),
+    Measure("dp", step_row("DP GPT step, eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
+    Measure("hybrid", step_row("2x2 hybrid GPT step, eager (4 procs)", "gt", "hand", "DDP+Megatron", 1.1)),
+    Measure("boxing2", boxing_rows),
+    Measure("boxing4", boxing_rows),
+    Measure("tp", step_row("TP MLP step, eager (2 procs)", "gt", "hand", "hand-written", 1.05)),
+    Measure("rt_ops", runtime_rows("ops")),
+    Measure("rt_tp", runtime_rows("tp")),
+    Measure("dp", runtime_rows("dp")),
+    Measure("rt_pp", runtime_rows("pp")),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    ap.add_argument("--only", help=f"comma-separated jobs to run, of {','.join(JOBS)}")
+    ap.add_argument("--markdown", help="also write the table (and the header) to this file")
+    args = ap.parse_args(argv)
+    wanted = [j for j in JOBS if args.only is None or j in args.only.split(",")]
+    if args.only and set(args.only.split(",")) - set(JOBS):
+        ap.error(f"--only: expected jobs of {list(JOBS)}, got {args.only!r}")
+    head = H.header("run_all")
+    print(head, flush=True)
+    t0 = time.time()
+    results, failed = {}, {}
+    for i, job in enumerate(wanted, 1):
+        what, run = JOBS[job]
+        print(f"[{i}/{len(wanted)}] {job}: {what} ...", flush=True)
+        start = time.time()
+        try:
+            results[job] = run(args.quick)
+            print(f"[{i}/{len(wanted)}] {job}: done in {time.time() - start:.0f} s "
+                  f"(load average {H.load_average()})", flush=True)
+        except Exception as e:  # noqa: BLE001 -- a failing job gives n/a rows, the others still run
+            failed[job] = str(e).strip().splitlines()[-1][:100]
+            print(f"[{i}/{len(wanted)}] {job}: FAILED after {time.time() - start:.0f} s:\n{e}", flush=True)
+    rows = []
+    for m in MEASURES:
+        if m.job in results:
+            rows += m.rows(results[m.job])
+        elif m.job in failed:
+            rows.append([f"{JOBS[m.job][0]}", f"n/a ({failed[m.job]})", "-", "-", "-", "short"])
+    table = H.table(["measure", "ours", "peer", "ratio", "goal", "met/short"], rows,
+                    "## Goals (ratio: ours / peer, median over rounds of the paired ratio)")
+    met = sum(r[5] == "met" for r in rows)
+    short = sum(r[5] == "short" for r in rows)
+    tail = (f"{met} met, {short} short; total {time.time() - t0:.0f} s; "
+            f"load average at the end {H.load_average()}")
+    print("\n" + table + "\n\n" + tail)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"{head}\n\n{table}\n\n{tail}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

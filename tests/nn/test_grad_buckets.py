@@ -1,0 +1,126 @@
+"""Eager gradient buckets (nn/grad_buckets.py): the same gradients, SBPs and updates as reducing each
+gradient when it is read, with the collectives of a data-parallel step being the buckets, started
+during the backward, and nothing reduced inside ``no_sync``.
+
+Both sides run in float64 and the simulated world sums a group's pieces in the same order whether
+they are flat or not, so the bucketed gradients equal the unbucketed ones exactly.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import globaltensor as gt
+import globaltensor.nn as gnn
+from globaltensor.tensor import GlobalTensor
+from nn_models import MEGATRON_2D, net
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+_raw_grad = torch._C.TensorBase.grad
+
+
+def _train(placement, plan, bucket_bytes, zero, backwards=2, steps=2, no_sync=True):
+    """``steps`` SGD steps of the test net, each accumulating ``backwards`` backwards (all but the last
+    inside no_sync, unless ``no_sync`` is False); returns the model, each step's gradients (sbp, value) and the collectives of the
+    last step's backwards and gradient reads."""
+    m = gnn.distribute_module(net().double(), placement, plan, bucket_bytes=bucket_bytes)
+    opt = (gnn.ZeroOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9) if zero else
+           torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    batch = (S(0),) + (B,) * (placement.ndim - 1)
+    gt.manual_seed(1)
+    grads = []
+    for _ in range(steps):
+        with gt.comm_stats() as stats:
+            for i in range(backwards):
+                x = gt.randn(8, 6, placement=placement, sbp=batch, dtype=torch.float64)
+                if i < backwards - 1 and no_sync:
+                    with gnn.no_sync(m):
+                        m(x).square().mean().backward()
+                else:
+                    m(x).square().mean().backward()
+            reduced = [p.grad for p in m.parameters()]          # unbucketed: reduced here
+        grads.append([(g.sbp, g.full_tensor()) for g in reduced])
+        opt.step()
+        opt.zero_grad()
+    return m, grads, stats
+
+
+@pytest.mark.parametrize("layout", ["dp", "hybrid"])
+@pytest.mark.parametrize("zero", [False, True], ids=["sgd", "zero"])
+def test_bucketed_equals_unbucketed_with_accumulation(world4, layout, zero):
+    placement = gt.placement("cpu", [0, 1, 2, 3] if layout == "dp" else [[0, 1], [2, 3]])
+    plan = {} if layout == "dp" else MEGATRON_2D
+    m0, plain, _ = _train(placement, plan, 0, zero)
+    m1, bucketed, stats = _train(placement, plan, 25 * 2 ** 20, zero)
+    for step, (g0, g1) in enumerate(zip(plain, bucketed)):
+        for (sbp0, v0), (sbp1, v1), (name, _) in zip(g0, g1, m0.named_parameters()):
+            assert sbp0 == sbp1, (step, name)
+            assert torch.equal(v0, v1), (step, name)
+    for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
+        assert p0.sbp == p1.sbp and torch.equal(p0.full_tensor(), p1.full_tensor()), name
+    if zero:           # the data-parallel gradients were reduce-scattered in the backward, no all-reduce
+        assert "reduce_scatter" in stats.ops()
+        if layout == "dp":
+            assert "all_reduce" not in stats.ops(), stats.ops()
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["sgd", "zero"])
+def test_accumulating_without_no_sync_buckets_each_backward(p2, zero):
+    """Each backward reduces (as DDP without no_sync): the stored, reduced gradients turn partial again
+    before the next one adds to them, so every backward's collectives are the buckets alone."""
+    m0, plain, _ = _train(p2, MEGATRON_2D, 0, zero, steps=1)
+    _, _, accumulated = _train(p2, MEGATRON_2D, 25 * 2 ** 20, zero, steps=1)             # with no_sync
+    m1, twice, each = _train(p2, MEGATRON_2D, 25 * 2 ** 20, zero, steps=1, no_sync=False)
+    for (sbp0, v0), (sbp1, v1), (name, _) in zip(plain[0], twice[0], m0.named_parameters()):
+        assert sbp0 == sbp1, name
+        torch.testing.assert_close(v1, v0, rtol=0, atol=1e-15, msg=name)   # sums in another order
+    # the first backward's reduction is one bucket per group and layout (at most 3 here: the two
+    # data-axis groups and the whole world); one all-reduce per gradient would be 2 per parameter
+    extra = Counter(each.ops()) - Counter(accumulated.ops())
+    assert 0 < sum(extra.values()) <= 3, extra
+
+
+def test_dp_step_collectives_are_the_buckets(p1):
+    n_params = len(list(net().parameters()))
+    _, _, one = _train(p1, {}, 25 * 2 ** 20, zero=False, backwards=1, steps=1)
+    assert one.ops() == ["all_reduce"], "every gradient fits one bucket"
+    _, _, small = _train(p1, {}, 200, zero=False, backwards=1, steps=1)
+    assert set(small.ops()) == {"all_reduce"} and 1 < small.count < n_params, small.ops()
+    _, _, plain = _train(p1, {}, 0, zero=False, backwards=1, steps=1)
+    assert plain.ops() == ["all_reduce"] * n_params         # reduced one by one, when read
+    assert one.bytes_sent <= plain.bytes_sent
+
+
+def test_buckets_start_during_the_backward_and_backward_returns_reduced(p1):
+    m = gnn.distribute_module(net().double(), p1, {}, bucket_bytes=200)
+    first = m.blocks[0].up.weight                    # among the last gradients the backward produces
+    started_before = []
+    first.register_post_accumulate_grad_hook(lambda p: started_before.append(stats.count))
+    x = gt.randn(8, 6, placement=p1, sbp=S(0), dtype=torch.float64)
+    with gt.comm_stats() as stats:
+        m(x).square().mean().backward()
+        after_backward = stats.count
+        grads = [_raw_grad.__get__(p) for p in m.parameters()]
+        _ = [p.grad for p in m.parameters()]
+    assert started_before and started_before[0] > 0, "a bucket started before the backward reached the first layer"
+    assert all(type(g) is GlobalTensor and g.sbp == (B,) for g in grads), "backward returns reduced gradients"
+    assert stats.count == after_backward, "reading .grad after the backward reduces nothing more"
+
+
+def test_no_sync_reduces_nothing_and_accumulates_partial(p1):
+    m = gnn.distribute_module(net().double(), p1, {})
+    x = gt.randn(8, 6, placement=p1, sbp=S(0), dtype=torch.float64)
+    with gt.comm_stats() as stats, gnn.no_sync(m):
+        m(x).square().mean().backward()
+        m(x).square().mean().backward()
+    assert stats.count == 0
+    assert all(_raw_grad.__get__(p).sbp == (P,) for p in m.parameters())
+
+
+def test_bucket_bytes_is_checked(p1):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        gnn.distribute_module(net(), p1, {}, bucket_bytes=-1)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        gnn.bucket_gradients(net().parameters(), bucket_bytes=1.5)
