@@ -91,7 +91,7 @@ def test_masked_fill():
 def test_casts(dtype):
     tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.float16 else {}     # each piece rounds on its own
     assert check_candidates(aten._to_copy.default, X * 4, dtype=dtype, max_2d=6, **tol) >= 2
-    assert has_partial(aten._to_copy.default, X, dtype=dtype) == dtype.is_floating_point
+    assert has_partial(aten._to_copy.default, X, dtype=dtype) == (dtype == torch.float64)   # widening only
 
 
 def test_clone_detach_alias_copy():

@@ -40,6 +40,7 @@ from .inplace_view import is_inplace_view, run_inplace_view
 from .local_run import LocalRun
 from .out_meta import output_meta
 from .registry import find_rule, on_rules_changed
+from .scalar_read import SCALAR_READS, read_scalar
 from .viewwrite import wrap as _views_and_writes
 
 _CACHE: dict = {}
@@ -153,6 +154,8 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     nd-signature; None comes back when it is not admissible for these arguments."""
     if is_inplace_view(func):
         return lambda a, k: run_inplace_view(func, a, k)
+    if func in SCALAR_READS:
+        return read_scalar
     rule = find_rule(func)
     if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
         return _flat(lambda f, s: run_foreach(func, f, s))
