@@ -4,9 +4,10 @@
     opt = gt.nn.ZeroOptimizer(model.parameters(), torch.optim.AdamW, axis=0, lr=1e-3)
 """
 from .distribute import distribute_module, full_state_dict, match_plan
-from .plans import (COLUMN_PARALLEL, REPLICATED, ROW_PARALLEL, column_parallel, layer_plan, megatron_plan, on_axis,
-                    row_parallel)
+from .plans import (COLUMN_PARALLEL, CONV1D_COLUMN_PARALLEL, CONV1D_ROW_PARALLEL, REPLICATED, ROW_PARALLEL,
+                    column_parallel, gpt2_plan, layer_plan, llama_plan, megatron_plan, on_axis, row_parallel)
 from .zero import ZeroOptimizer, shard_sbp
 
 __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLEL", "ROW_PARALLEL", "REPLICATED",
-           "column_parallel", "row_parallel", "layer_plan", "megatron_plan", "on_axis", "ZeroOptimizer", "shard_sbp"]
+           "CONV1D_COLUMN_PARALLEL", "CONV1D_ROW_PARALLEL", "column_parallel", "row_parallel", "layer_plan",
+           "megatron_plan", "llama_plan", "gpt2_plan", "on_axis", "ZeroOptimizer", "shard_sbp"]
