@@ -154,13 +154,16 @@ def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> d
     """Megatron's plan for HuggingFace ``GPT2LMHeadModel`` (``Conv1D`` layers, weight ``[in, out]``) over
     ``ranks`` ranks on placement axis ``axis``: the MLP's ``c_fc`` column parallel (weight ``S(1)``,
     bias ``S(0)``) and ``c_proj`` row parallel (weight ``S(0)``, bias ``B``); attention's ``c_proj``
-    row parallel and its fused ``c_attn`` column parallel when the heads divide over ``ranks``.
+    row parallel when the heads divide over ``ranks``; its fused ``c_attn`` broadcast.
 
     ``c_attn``'s output is ``[q | k | v]`` side by side, so a contiguous split of its columns
-    gives a rank parts of q, k and v that are not one rank's heads: its layer stays broadcast,
-    each rank computes q, k and v whole and keeps its heads, and the gradients of its input,
-    partial sums, meet the attention projection's all-reduce. Embeddings, norms and the (tied)
-    head are broadcast."""
+    gives a rank parts of q, k and v that are not one rank's heads (Megatron interleaves its
+    fused weight per head; a plan cannot reorder a weight). So ``c_attn`` stays broadcast: each
+    rank computes q, k and v whole, and the dispatcher picks where attention splits. The step
+    then sends no more bytes than Megatron's (fewer: the replicated ``c_attn`` needs no
+    reduction), in more collectives under ``sdpa`` (the q / k / v gradients are gathered where
+    ``split``'s backward concatenates them); docs/models.md has the measured table.
+    Embeddings, norms and the (tied) head are broadcast."""
     _check_ranks(ranks)
     config = _config(model_or_config)
     heads = _size(config, "n_head", "num_attention_heads")
