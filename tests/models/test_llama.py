@@ -2,10 +2,11 @@
 tensor, data and 2x2 hybrid parallelism: values, gradient SBPs and parameters equal one device's
 in float64 (models_helpers.TOL), no op falls back, and a step's collectives are Megatron's."""
 import pytest
+import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, split as S
-from models_helpers import (gradient_all_reduce_bytes, make_model, megatron_collectives, train_side_by_side)
+from models_helpers import gradient_all_reduce_bytes, make_model, megatron_collectives, no_fallback, train_side_by_side
 
 
 def _sent(records) -> int:
@@ -56,3 +57,15 @@ def test_grouped_query_heads_fewer_than_ranks_are_not_cut(p1):
     assert plan == {k: v for k, v in gt.nn.llama_plan(model.config, 4).items()}
     train_side_by_side("llama", p1, plan, B, "sdpa", kv_heads=2)
     train_side_by_side("llama", p1, plan, B, "eager", kv_heads=2)
+
+
+def test_greedy_generate_on_the_tensor_parallel_model_gives_the_same_tokens(p1):
+    """HF ``generate`` casts masks with ``.to(device=, dtype=)`` and reads ``bool(x)`` of global
+    tensors: under rules now (a cast, a collective read), no fallback."""
+    model, reference = make_model("llama", "sdpa"), make_model("llama", "sdpa")
+    gt.nn.distribute_module(model, p1, gt.nn.llama_plan(model, 4))
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    want = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with no_fallback():
+        got = model.generate(gt.distribute(ids, p1, B), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.full_tensor(), want)
