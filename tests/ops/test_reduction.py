@@ -197,10 +197,13 @@ def test_candidate_sets():
     assert _sigs(aten.var.correction, x, [0, 1], keepdim=True) == {"S(2) -> S(2)"}
     assert _sigs(aten.argmax.default, x) == set()
     assert _sigs(aten.all.dims, x.bool(), []) == {"S(0) -> S(0)", "S(1) -> S(1)", "S(2) -> S(2)"}
-    # a float -> int cast of partial pieces is not their sum; bool has no partial at all
+    # a float -> int cast of partial pieces is not their sum; bool has no partial at all; only a
+    # widening cast keeps it (int32 -> float64 is exact, int64 -> float64 and float32 -> float16 round)
     assert "P -> P" not in _sigs(aten.sum.dim_IntList, x, [0], dtype=torch.int64)
     assert "P -> P" not in _sigs(aten.sum.default, x.bool())
-    assert "P -> P" in _sigs(aten.sum.default, x.long(), dtype=torch.float64)
+    assert "P -> P" in _sigs(aten.sum.default, x.int(), dtype=torch.float64)
+    assert "P -> P" not in _sigs(aten.sum.default, x.long(), dtype=torch.float64)
+    assert "P -> P" not in _sigs(aten.sum.default, x, dtype=torch.float16)
     # the mean of no element is NaN everywhere: no partial of split pieces
     assert _sigs(aten.mean.dim, torch.empty(0, 4), [0]) == {"S(1) -> S(0)", "P -> P"}
 

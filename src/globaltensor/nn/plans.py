@@ -14,6 +14,18 @@ The Megatron-style tensor-parallel layouts of an ``nn.Linear`` (weight ``[out, i
 
 A column-parallel layer followed by a row-parallel one (attention's qkv -> proj, the MLP's
 fc1 -> fc2) needs one reduction per pair in the forward pass.
+
+Layers without a bias (Llama's, ``nn.Linear(..., bias=False)``) take ``bias=False``: a plan
+entry for a bias that does not exist would make strict ``distribute_module`` raise.
+
+GPT-2's ``Conv1D`` (HuggingFace ``transformers.pytorch_utils.Conv1D``) stores its weight
+transposed, ``[in, out]`` (``y = x @ W + b``), so its splits swap: column parallel is weight
+``S(1)`` + bias ``S(0)`` (:data:`CONV1D_COLUMN_PARALLEL`), row parallel weight ``S(0)`` + bias
+``B`` (:data:`CONV1D_ROW_PARALLEL`).
+
+Model-family plans read the sizes they need from a HuggingFace-style config (or a model with
+``.config``): :func:`llama_plan` (Llama, Mistral, Qwen2 and their kin: ``q/k/v/o_proj``,
+``gate/up/down_proj``) and :func:`gpt2_plan`.
 """
 from __future__ import annotations
 
@@ -27,6 +39,10 @@ COLUMN_PARALLEL: Mapping[str, object] = {"weight": split(0), "bias": split(0)}
 ROW_PARALLEL: Mapping[str, object] = {"weight": split(1), "bias": broadcast}
 #: A replicated layer: every parameter broadcast.
 REPLICATED: Mapping[str, object] = {"weight": broadcast, "bias": broadcast}
+#: Column parallel for a ``Conv1D`` (weight ``[in, out]``): output features split.
+CONV1D_COLUMN_PARALLEL: Mapping[str, object] = {"weight": split(1), "bias": split(0)}
+#: Row parallel for a ``Conv1D`` (weight ``[in, out]``): input features split.
+CONV1D_ROW_PARALLEL: Mapping[str, object] = {"weight": split(0), "bias": broadcast}
 
 
 def _check_axis(axis: int, ndim: int) -> None:
@@ -53,23 +69,107 @@ def layer_plan(pattern: str, layout: Mapping[str, object], axis: int = 0, ndim: 
     return {f"{pattern}.{name}": on_axis(sbp, axis, ndim) for name, sbp in layout.items()}
 
 
-def column_parallel(pattern: str, axis: int = 0, ndim: int = 1) -> dict:
+def _weight_only(layout: Mapping[str, object], bias: bool) -> Mapping[str, object]:
+    return layout if bias else {k: v for k, v in layout.items() if k != "bias"}
+
+
+def column_parallel(pattern: str, axis: int = 0, ndim: int = 1, *, bias: bool = True) -> dict:
     """Plan entries making the ``nn.Linear`` modules matching ``pattern`` column parallel on ``axis``."""
-    return layer_plan(pattern, COLUMN_PARALLEL, axis, ndim)
+    return layer_plan(pattern, _weight_only(COLUMN_PARALLEL, bias), axis, ndim)
 
 
-def row_parallel(pattern: str, axis: int = 0, ndim: int = 1) -> dict:
+def row_parallel(pattern: str, axis: int = 0, ndim: int = 1, *, bias: bool = True) -> dict:
     """Plan entries making the ``nn.Linear`` modules matching ``pattern`` row parallel on ``axis``."""
-    return layer_plan(pattern, ROW_PARALLEL, axis, ndim)
+    return layer_plan(pattern, _weight_only(ROW_PARALLEL, bias), axis, ndim)
 
 
 def megatron_plan(column: Iterable[str] = (), row: Iterable[str] = (), *, axis: int = 0, ndim: int = 1,
-                  extra: Optional[Mapping[str, object]] = None) -> dict:
+                  extra: Optional[Mapping[str, object]] = None, bias: bool = True, conv1d: bool = False) -> dict:
     """A tensor-parallel plan: the ``column`` module patterns column parallel, the ``row`` ones row
     parallel, on placement axis ``axis`` of an ``ndim``-axis placement (broadcast on the others, e.g.
-    the data axis); ``extra`` entries come first and so take precedence."""
+    the data axis); ``extra`` entries come first and so take precedence. ``bias=False`` for layers
+    without biases; ``conv1d=True`` for GPT-2-style ``Conv1D`` layers (weight ``[in, out]``)."""
+    if not isinstance(bias, bool) or not isinstance(conv1d, bool):
+        raise TypeError(f"megatron_plan: bias and conv1d must be bools, got bias={bias!r}, conv1d={conv1d!r}")
+    col_layout, row_layout = (CONV1D_COLUMN_PARALLEL, CONV1D_ROW_PARALLEL) if conv1d else (COLUMN_PARALLEL,
+                                                                                          ROW_PARALLEL)
     plan: dict = dict(extra or {})
-    for entries in [column_parallel(p, axis, ndim) for p in column] + [row_parallel(p, axis, ndim) for p in row]:
-        for key, sbp in entries.items():
+    entries = ([layer_plan(p, _weight_only(col_layout, bias), axis, ndim) for p in column] +
+               [layer_plan(p, _weight_only(row_layout, bias), axis, ndim) for p in row])
+    for group in entries:
+        for key, sbp in group.items():
             plan.setdefault(key, sbp)
+    return plan
+
+
+def _config(model_or_config):
+    return getattr(model_or_config, "config", model_or_config)
+
+
+def _size(config, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"config: expected an int attribute {' or '.join(names)} (a HuggingFace-style config), "
+                     f"got {type(config).__name__} without one")
+
+
+def _check_ranks(ranks: int) -> None:
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"ranks: expected the number of ranks on the tensor-parallel axis (an int >= 1), "
+                         f"got {ranks!r}")
+
+
+def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> dict:
+    """Megatron's plan for a Llama-family model (``LlamaForCausalLM``, Mistral, Qwen2, ...) over ``ranks``
+    ranks on placement axis ``axis``: ``q/k/v_proj`` and ``gate/up_proj`` column parallel,
+    ``o_proj`` and ``down_proj`` row parallel; norms, embedding and head broadcast. Biases are
+    planned only where the config has them (``attention_bias``, ``mlp_bias``).
+
+    Heads are never cut: the query heads are split only when ``num_attention_heads`` divides
+    evenly over ``ranks`` (else attention stays replicated), and grouped-query key/value heads
+    only when ``num_key_value_heads`` does -- with fewer kv heads than ranks, ``k_proj`` /
+    ``v_proj`` stay broadcast (each rank computes every kv head, the small part of attention),
+    and each rank slices the kv heads its query heads read, with no communication."""
+    _check_ranks(ranks)
+    config = _config(model_or_config)
+    heads = _size(config, "num_attention_heads")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    attn_bias, mlp_bias = bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))
+    plan: dict = {}
+    if heads % ranks == 0:
+        column = ["*.self_attn.q_proj"] + (["*.self_attn.k_proj", "*.self_attn.v_proj"] if kv_heads % ranks == 0
+                                           else [])
+        for pattern in column:
+            plan.update(column_parallel(pattern, axis, ndim, bias=attn_bias))
+        plan.update(row_parallel("*.self_attn.o_proj", axis, ndim, bias=False))
+    for pattern in ("*.mlp.gate_proj", "*.mlp.up_proj"):
+        plan.update(column_parallel(pattern, axis, ndim, bias=mlp_bias))
+    plan.update(row_parallel("*.mlp.down_proj", axis, ndim, bias=False))
+    return plan
+
+
+def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> dict:
+    """Megatron's plan for HuggingFace ``GPT2LMHeadModel`` (``Conv1D`` layers, weight ``[in, out]``) over
+    ``ranks`` ranks on placement axis ``axis``: the MLP's ``c_fc`` column parallel (weight ``S(1)``,
+    bias ``S(0)``) and ``c_proj`` row parallel (weight ``S(0)``, bias ``B``); attention's ``c_proj``
+    row parallel when the heads divide over ``ranks``; its fused ``c_attn`` broadcast.
+
+    ``c_attn``'s output is ``[q | k | v]`` side by side, so a contiguous split of its columns
+    gives a rank parts of q, k and v that are not one rank's heads (Megatron interleaves its
+    fused weight per head; a plan cannot reorder a weight). So ``c_attn`` stays broadcast: each
+    rank computes q, k and v whole, and the dispatcher picks where attention splits. The step
+    then sends no more bytes than Megatron's (fewer: the replicated ``c_attn`` needs no
+    reduction), in more collectives under ``sdpa`` (the q / k / v gradients are gathered where
+    ``split``'s backward concatenates them); docs/models.md has the measured table.
+    Embeddings, norms and the (tied) head are broadcast."""
+    _check_ranks(ranks)
+    config = _config(model_or_config)
+    heads = _size(config, "n_head", "num_attention_heads")
+    plan: dict = {}
+    if heads % ranks == 0:
+        plan.update(layer_plan("*.attn.c_proj", CONV1D_ROW_PARALLEL, axis, ndim))
+    plan.update(layer_plan("*.mlp.c_fc", CONV1D_COLUMN_PARALLEL, axis, ndim))
+    plan.update(layer_plan("*.mlp.c_proj", CONV1D_ROW_PARALLEL, axis, ndim))
     return plan

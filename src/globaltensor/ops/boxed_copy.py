@@ -7,6 +7,10 @@ So the latest boxed copy of a tensor autograd may save (one that requires grad a
 ``grad_fn``) stays on it with the versions it was made at, and later ops box from it while
 the tensor is unchanged; the dispatcher's cost model counts that conversion from the copy.
 
+A partial tensor keeps its reduced copy too while grad mode is off, as it is in the backward
+pass: there a partial gradient (the input gradient of a column-parallel layer) is read by
+every op of the norm's backward before it; reduced once, each of them reads the copy.
+
 Leaves (parameters) keep no copy: a gathered copy of a sharded parameter would live as long
 as the parameter. An activation's copy lives as long as the activation, that is until the
 backward has used it.
@@ -14,6 +18,8 @@ backward has used it.
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
+
+import torch
 
 from ..boxing import Layout, plan_boxing
 from ..tensor import GlobalTensor, box
@@ -46,6 +52,6 @@ def box_input(t: GlobalTensor, target: Layout) -> GlobalTensor:
         elif plan_boxing(kept.layout, target).bytes <= plan_boxing(t._layout, target).bytes:
             return kept.tensor if kept.layout == target else box(kept.tensor, target)
     out = box(t, target)
-    if t.requires_grad and t.grad_fn is not None:
+    if (t.requires_grad and t.grad_fn is not None) or (t._layout.has_partial and not torch.is_grad_enabled()):
         t._boxed = BoxedCopy(target, _versions(t), out)
     return out

@@ -42,6 +42,8 @@ from .inplace_view import is_inplace_view, run_inplace_view
 from .local_run import LocalRun
 from .out_meta import output_meta
 from .registry import find_rule, on_rules_changed
+from .scalar_read import SCALAR_READS, read_scalar
+from .signature_cost import gradient_under, output_cost
 from .viewwrite import wrap as _views_and_writes
 
 _CACHE: dict = {}
@@ -176,6 +178,8 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     nd-signature; None comes back when it is not admissible for these arguments."""
     if is_inplace_view(func):
         return lambda a, k: run_inplace_view(func, a, k)
+    if func in SCALAR_READS:
+        return read_scalar
     rule = find_rule(func)
     if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
         return lambda a, k: run_foreach(func, a, k)
@@ -236,13 +240,17 @@ def _decide(func, args, kwargs, only=None) -> Callable:
             if any(v.is_partial and not u.is_partial for u, v in zip(lay.nd_sbp, nd)):
                 plans.append(plan_boxing(target, lay))
             if grad:
-                plans.append(plan_boxing(gradient_layout(target), gradient_layout(lay)))
+                plans.append(plan_boxing(gradient_under(target, c), gradient_layout(lay)))
             total += sum(p.bytes for p in plans)
             steps += sum(len(p.steps) for p in plans)
-        return (total, steps)
+        later = output_cost(in_layouts, c, out_templates)
+        return (total + later[0], steps + later[1])
+
+    out_templates = [Layout(shape, dtype, placement, (broadcast,) * placement.ndim) for shape, dtype in out_meta]
 
     # a candidate taking the inputs as they are costs nothing: no need to plan the others
-    exact = [c for c in candidates if all(nd == lay.nd_sbp for lay, nd in zip(in_layouts, c.inputs))]
+    exact = [c for c in candidates if all(nd == lay.nd_sbp for lay, nd in zip(in_layouts, c.inputs))
+             and output_cost(in_layouts, c, out_templates) == (0, 0)]
     chosen = choose(exact, lambda c: (0, 0)) if exact else choose(candidates, cost)
     if signatures_logged():
         log_signature(func, in_layouts, chosen, candidates, cost)

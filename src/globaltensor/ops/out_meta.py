@@ -5,6 +5,10 @@ their output has the inputs' broadcast shape and the dtype the op gives on one-e
 tensors of the inputs' dtypes and ranks. Torch's meta path for them goes through
 ``torch._refs`` (type promotion, stride propagation), which was most of the time a new
 shape's first call took.
+
+A ``device`` argument (``_to_copy(x, device=cpu)``, ``new_zeros(..., device=...)``) names the
+pieces' device; on meta tensors it becomes ``meta``, since copying a meta tensor to a real
+device has no data to copy. Where the pieces go is the rule's business (rules/cast.py).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ _SHORTCUT: dict = {}
 
 def output_meta(func, meta_args: tuple, meta_kwargs: dict):
     """``func``'s result on these meta arguments (tensors, tuples of tensors, or anything else)."""
+    meta_args, meta_kwargs = _on_meta_device(func, meta_args, meta_kwargs)
     if _takes_shortcut(func) and not _has_tensor_lists(meta_args, meta_kwargs):
         shapes = [v.shape for v in (*meta_args, *meta_kwargs.values()) if isinstance(v, torch.Tensor)]
         try:
@@ -26,6 +31,25 @@ def output_meta(func, meta_args: tuple, meta_kwargs: dict):
         if isinstance(tiny, torch.Tensor):
             return torch.empty(broadcast_shape(*shapes), dtype=tiny.dtype, device="meta")
     return func(*meta_args, **meta_kwargs)
+
+
+_META = torch.device("meta")
+_DEVICE_ARGS: dict = {}
+
+
+def _on_meta_device(func, args: tuple, kwargs: dict) -> tuple:
+    """The arguments with every ``device`` argument given as ``meta``."""
+    slots = _DEVICE_ARGS.get(func)
+    if slots is None:
+        slots = _DEVICE_ARGS[func] = [(i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                                      if "Device" in str(a.type)]
+    for i, name, kwarg_only in slots:
+        if not kwarg_only and i < len(args):
+            if args[i] is not None:
+                args = tuple(args[:i]) + (_META,) + tuple(args[i + 1:])
+        elif kwargs.get(name) is not None:
+            kwargs = dict(kwargs, **{name: _META})
+    return args, kwargs
 
 
 def _takes_shortcut(func) -> bool:

@@ -1,6 +1,8 @@
 """Small helpers shared by the rule modules."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -27,13 +29,33 @@ def norm_dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 
-def linear_cast(x: torch.Tensor, dtype) -> bool:
-    """Casting partial pieces of ``x`` to ``dtype`` (None: no cast) keeps their sum."""
-    if x.dtype == torch.bool:
+def widening(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every value of ``src`` is exactly a value of ``dst``: a cast partial pieces may pass, their sum
+    kept. A narrowing cast (float64 -> float32, float -> int, ...) rounds each piece on its own,
+    so the sum of the rounded pieces is not the rounded sum."""
+    if src == dst:
+        return src != torch.bool
+    if torch.bool in (src, dst):
         return False
-    if dtype is None or dtype.is_floating_point or dtype.is_complex:
-        return True
-    return not (x.dtype.is_floating_point or x.dtype.is_complex)
+    if src.is_complex and not dst.is_complex:
+        return False
+    src_real, dst_real = src.to_real(), dst.to_real()
+    if src_real.is_floating_point:
+        if not dst_real.is_floating_point:
+            return False
+        s, d = torch.finfo(src_real), torch.finfo(dst_real)
+        return d.eps <= s.eps and d.max >= s.max and d.tiny <= s.tiny
+    s = torch.iinfo(src_real)
+    if dst_real.is_floating_point:       # exact while the significand holds every integer of src
+        significand_bits = 1 - round(math.log2(torch.finfo(dst_real).eps))
+        return max(s.max, -s.min) <= 2 ** significand_bits
+    d = torch.iinfo(dst_real)
+    return d.min <= s.min and d.max >= s.max
+
+
+def linear_cast(x: torch.Tensor, dtype) -> bool:
+    """Casting partial pieces of ``x`` to ``dtype`` (None: no cast) keeps their sum: a widening cast."""
+    return widening(x.dtype, x.dtype if dtype is None else dtype)
 
 
 def each_dim_kept(x: torch.Tensor, n_out: int = 1, linear: bool = False, skip=()) -> list:

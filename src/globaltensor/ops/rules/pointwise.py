@@ -4,12 +4,13 @@ matching dim, or leaves it broadcast where the input has size 1 or lacks the dim
 Partial sums pass through only where the op is linear in them, all partial inputs together
 and every other tensor input broadcast: P+P and P-P (any ``alpha``), P*B and B*P, P/B (true
 division only: a rounding mode is not linear), -P, ``where(c, P, P)`` (the condition
-broadcast), ``lerp(P, P, w)``, ``addcmul(P, P, B)``, ``masked_fill(P, m, 0)``, casts between
-floating types, clone / copy / alias, and the activation gradients (``threshold_backward``,
-``gelu_backward``, ...) in their incoming gradient. A partial operand must be floating (or complex), and so
-must the result: ``_to_copy`` or ``copy_`` to an integer or bool type rounds, so it never keeps
-P. A scalar added to a partial tensor (``P + 1``) is not linear: it would be added once per
-rank, so that input is boxed first, as it is for every other (nonlinear) op.
+broadcast), ``lerp(P, P, w)``, ``addcmul(P, P, B)``, ``masked_fill(P, m, 0)``, clone / copy /
+alias, and the activation gradients (``threshold_backward``, ``gelu_backward``, ...) in their
+incoming gradient. A partial operand must be floating (or complex), and so must the result;
+``copy_`` keeps P only into a dtype that widens the source's: a narrowing one (float64 ->
+float32, float -> int) rounds each piece on its own (casts, ``_to_copy``: rules/cast.py). A
+scalar added to a partial tensor (``P + 1``) is not linear: it would be added once per rank,
+so that input is boxed first, as it is for every other (nonlinear) op.
 
 The groups name schema arguments (``self``, ``other``, ...), not positions among the tensors:
 a Python scalar operand takes no tensor position, and an ``out=`` tensor is not an operand --
@@ -21,7 +22,7 @@ import torch
 
 from ..registry import aten, register_rule, register_tag_rule
 from ...sbp import broadcast_shape
-from .common import B, P, S, bind, sig, tensors_of
+from .common import B, P, S, bind, sig, tensors_of, widening
 
 # op name -> groups of arguments (by schema name) that may be partial together
 _SELF = [("self",)]
@@ -29,7 +30,7 @@ _LINEAR = {
     "add": [("self", "other")], "add_": [("self", "other")], "sub": [("self", "other")],
     "sub_": [("self", "other")], "rsub": [("self", "other")],
     "mul": [("self",), ("other",)], "mul_": [("self",), ("other",)], "div": _SELF, "div_": _SELF,
-    "neg": _SELF, "neg_": _SELF, "positive": _SELF, "clone": _SELF, "_to_copy": _SELF, "to": _SELF,
+    "neg": _SELF, "neg_": _SELF, "positive": _SELF, "clone": _SELF,
     "copy": [("self", "src")], "copy_": [("self", "src")],
     "alias": _SELF, "detach": _SELF, "lift_fresh": _SELF,
     "real": _SELF, "imag": _SELF, "conj_physical": _SELF, "view_as_real": _SELF,
@@ -75,15 +76,14 @@ def _partial_groups(name: str, op, ts, named: dict) -> list:
     """The groups of ``_LINEAR[name]`` as positions among the tensors, where they are linear here."""
     if name in ("div", "div_") and named.get("rounding_mode") is not None:
         return []                                   # floor / trunc division is not linear
-    if name in ("_to_copy", "to") and not _linear_dtype(named.get("dtype") or ts[0].dtype):
-        return []                                   # a cast to an integer or bool type rounds
     if name in ("masked_fill", "masked_fill_"):
         value = named.get("value")
         if isinstance(value, torch.Tensor) or value != 0:
             return []                               # only a zero fill is linear
-    if name in ("copy", "copy_") and not all(_linear_dtype(named[k].dtype) for k in ("self", "src")
-                                               if isinstance(named.get(k), torch.Tensor)):
-        return []
+    if name in ("copy", "copy_") and not (all(_linear_dtype(named[k].dtype) for k in ("self", "src")
+                                               if isinstance(named.get(k), torch.Tensor))
+                                           and widening(named["src"].dtype, named["self"].dtype)):
+        return []                                   # a narrowing copy rounds each piece
     if not all(_linear_dtype(t.dtype) for t in _written_outs(op, named)):
         return []                                   # an out= tensor of an integer type rounds
     position = {id(t): i for i, t in enumerate(ts)}

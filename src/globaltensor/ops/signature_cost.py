@@ -1,0 +1,81 @@
+"""What a signature costs beyond boxing its inputs: the ways back its outputs and gradients take.
+
+The dispatcher counts, for each candidate, the bytes that box its inputs; these are the
+costs that come later, which an eager choice must count now or pay twice.
+
+*Partial outputs.* A partial sum is reduced some time, so a partial output costs its
+reduction -- except where the op takes its inputs as they are (or slices broadcast ones, which
+is free) and either makes the partial
+sum itself from split inputs (``mm(S(1), S(0)) -> P``, the row-parallel layer: that is the
+op's own way) or passes partial inputs on without meeting a broadcast tensor (views, copies,
+casts, ``neg``, ``sum``, ``add(P, P)``: gradients accumulating, one reduction later for all).
+Boxing an input to make a partial output (``mm(P, B)`` as ``(S(1), S(0)) -> P``, after a
+reduce-scatter) leaves the reduction still owed. And an op that meets a partial input with a
+broadcast tensor (``mul(P, B) -> P``) has not saved the reduction but moved it on: when the
+output is the input's size the two tie, and the tie keeps the output unsplit -- reduce now,
+once, rather than let the partial sum branch into several such ops that each give a partial
+result to reduce (the backward of an RMSNorm multiplies a partial gradient by the weight, by
+the normalised input and by the input: three reductions where Megatron has one; reduced at
+the first, the others read its kept copy). Where the output is smaller (``sum(P * B)``,
+``mm(P, B)`` into fewer features) the reduction waits for it.
+
+*Splits made from unsplit inputs.* An op whose inputs are all unsplit on a placement axis
+(broadcast or partial there) may pick a split output: ``add(B, P) -> S(0)`` reduce-scatters
+its partial input, half an all-reduce. But the program around it is unsplit on that axis
+(its other tensors, its parameters), so the split is gathered back -- and until it is, the
+ops that meet it take splits too: activations end up split along the batch under a
+tensor-parallel plan, broadcast parameters get partial gradients, weights are gathered
+before matmuls. A reduce-scatter plus the all-gather back are the bytes of the all-reduce;
+with the way back counted, the choice falls to the fewer collectives.
+
+*Gradients.* An input autograd records costs the way back of its gradient, from the layout
+the backward gives it (:func:`gradient_under`) to the input's own.
+"""
+from __future__ import annotations
+
+from ..boxing import Layout, plan_boxing
+from ..sbp import broadcast, partial_sum
+
+
+def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
+    """(bytes, steps) to reduce the partial outputs ``c`` owes (see the module's docstring) and to
+    gather back the splits it makes where no input keeps a split (``out_layouts``: the outputs'
+    shapes and dtypes)."""
+    ndim = len(c.outputs[0]) if c.outputs else 0
+    kept = {a for a in range(ndim)
+            if any(lay.nd_sbp[a].is_split and nd[a] == lay.nd_sbp[a] for lay, nd in zip(in_layouts, c.inputs))}
+    exact = all(v == u or (u.is_broadcast and v.is_split)          # as they are, or sliced for free
+                for lay, nd in zip(in_layouts, c.inputs) for u, v in zip(lay.nd_sbp, nd))
+    owed = {a for a in range(ndim) if not exact or (any(nd[a].is_partial for nd in c.inputs)
+                                                    and any(nd[a].is_broadcast for nd in c.inputs))}
+    total, steps = 0, 0
+    for lay, nd in zip(out_layouts, c.outputs):
+        back = tuple(broadcast if (v.is_partial and a in owed) or (v.is_split and a not in kept) else v
+                     for a, v in enumerate(nd))
+        if back != nd:
+            plan = plan_boxing(lay.with_sbp(nd), lay.with_sbp(back))
+            total += plan.bytes
+            steps += len(plan.steps)
+    return total, steps
+
+
+def gradient_under(target: Layout, c) -> Layout:
+    """The layout the backward gives the gradient of an input boxed to ``target`` for signature ``c``.
+
+    Each rank's backward computes its piece's share of the gradient: a split input's gradient
+    is split the same way, a partial input's is broadcast (every rank's piece gets the whole
+    gradient). A broadcast input of an op whose output is split or partial on that axis --
+    ``mm(x S(0), w B) -> S(0)``, an embedding table used by a batch-split lookup -- gets a
+    partial gradient there: each rank adds the contribution of its own rows. Counting it as
+    broadcast made gathering a weight, or slicing a broadcast input, look free when the
+    gradient's reduction comes back every step.
+    """
+    nd = []
+    for a, v in enumerate(target.nd_sbp):
+        if v.is_partial:
+            nd.append(broadcast)
+        elif v.is_broadcast and any(not out[a].is_broadcast for out in c.outputs):
+            nd.append(partial_sum)
+        else:
+            nd.append(v)
+    return target.with_sbp(tuple(nd))

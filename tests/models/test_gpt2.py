@@ -1,0 +1,44 @@
+"""HuggingFace ``GPT2LMHeadModel`` (tiny config, its own code: ``Conv1D`` layers, fused ``c_attn``)
+trained on 4 simulated ranks with tensor, data and 2x2 hybrid parallelism: values, gradient
+SBPs and parameters equal one device's in float64, no fallback, bytes against Megatron's.
+
+GPT-2's ``c_attn`` packs ``[q | k | v]`` side by side, so no contiguous split of it gives a rank
+whole heads; ``gt.nn.gpt2_plan`` keeps it broadcast (see its docstring), and the step sends no
+more bytes than Megatron's."""
+import pytest
+
+import globaltensor as gt
+from globaltensor.sbp import broadcast as B, split as S
+from models_helpers import gradient_all_reduce_bytes, make_model, megatron_collectives, train_side_by_side
+from test_llama import _sent
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tensor_parallel_step_within_megatrons_bytes(p1, attn):
+    run = train_side_by_side("gpt2", p1, gt.nn.gpt2_plan(make_model("gpt2", attn), 4), B, attn)
+    megatron = megatron_collectives(tp=4)
+    assert _sent(run.records) <= sum(b for _, b in megatron)
+    if attn == "eager":
+        assert len(run.records) <= len(megatron)
+
+
+def test_data_parallel_step_reduces_each_gradient_once(p1):
+    run = train_side_by_side("gpt2", p1, {}, S(0), "sdpa")
+    ideal = gradient_all_reduce_bytes(run.model, axis=0)
+    assert _sent(run.records) <= 1.01 * ideal
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hybrid_step(p2, attn):
+    model = make_model("gpt2", attn)
+    run = train_side_by_side("gpt2", p2, gt.nn.gpt2_plan(model, 2, axis=1, ndim=2), (S(0), B), attn)
+    megatron = megatron_collectives(tp=2, dp=2)
+    assert _sent(run.records) <= 1.1 * (sum(b for _, b in megatron) // 2 + gradient_all_reduce_bytes(run.model, 0))
+
+
+def test_conv1d_column_parallel_is_weight_s1_bias_s0(p1):
+    """A Conv1D stores its weight [in, out]: a column-parallel c_fc splits the weight's dim 1."""
+    model = make_model("gpt2", "eager")
+    gt.nn.distribute_module(model, p1, gt.nn.megatron_plan(["*.mlp.c_fc"], ["*.mlp.c_proj"], conv1d=True))
+    fc, proj = model.transformer.h[0].mlp.c_fc, model.transformer.h[0].mlp.c_proj
+    assert (fc.weight.sbp, fc.bias.sbp, proj.weight.sbp, proj.bias.sbp) == ((S(1),), (S(0),), (S(0),), (B,))
