@@ -154,21 +154,30 @@ def run_cnn(dtype, repeats: int) -> dict:
             "1 device ms": 1e3 * timed(lambda: step(reference, ref_opt, x, y), repeats)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 timed steps instead of 10")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    args = parser.parse_args()
+def measure(quick: bool, dtype=torch.float32) -> list:
+    """One row per model, attention and plan (and the CNN), each printed as it is measured."""
     torch.set_num_threads(1)
-    dtype, repeats = getattr(torch, args.dtype), 3 if args.quick else 10
+    repeats = 3 if quick else 10
     warnings.filterwarnings("ignore", message=".*(bos|eos)_token_id.*")
     rows = []
     with gt.simulate(4):
         for kind in ("llama", "gpt2"):
             for attn in ("sdpa", "eager"):
                 for plan in ("tp", "dp", "2x2"):
+                    print(f"  models: {kind} {attn} {plan} ...", flush=True)
                     rows.append(run_transformer(kind, attn, plan, dtype, repeats))
+        print("  models: cnn + BatchNorm ...", flush=True)
         rows.append(run_cnn(dtype, repeats))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 timed steps instead of 10")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    rows = measure(args.quick, dtype)
     print(f"one training step, 4 simulated ranks, {args.dtype}; batch {BATCH} x {SEQ} tokens, hidden {HIDDEN}, "
           f"{LAYERS} layers; ideal = Megatron (tp), one all-reduce per gradient (dp), both (2x2), "
           f"SyncBatchNorm + gradients (cnn)")

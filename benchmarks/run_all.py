@@ -4,8 +4,8 @@
     make bench
 
 The measures come from the benchmark scripts' workers (boxing.py, eager_overhead.py, tp_mlp.py,
-hybrid_gpt.py, actor_runtime.py), each run once in its own processes ("jobs"), in order, with a
-progress line as each starts and ends. A job that fails gives its rows as n/a; the others still
+hybrid_gpt.py, actor_runtime.py), each run once in its own processes ("jobs"), and models.py's
+counts on simulated ranks in this process; in order, with a progress line as each starts and ends. A job that fails gives its rows as n/a; the others still
 run. Adding a measure is one entry of ``MEASURES``: the job it reads and a function of that job's
 result giving its rows. Ratios are ours / peer, paired per round (the median over rounds of the
 two sides' times in the same round; see _harness.py). The scripts themselves print the details.
@@ -25,6 +25,7 @@ import actor_runtime
 import boxing
 import eager_overhead
 import hybrid_gpt
+import models
 import tp_mlp
 
 MB4 = 1024                      # boxing: a 1024 x 1024 fp32 tensor, 4 MB
@@ -41,6 +42,7 @@ JOBS = {
     "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
     "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
     "rt_pp": ("pipeline, 2 processes", lambda q: H.spawn(actor_runtime._worker_pp, 2, q)),
+    "models": ("HF Llama / GPT-2 and a BatchNorm CNN, bytes per step, 4 simulated ranks", models.measure),
 }
 
 
@@ -111,6 +113,19 @@ def runtime_rows(part: str) -> Callable[[dict], list]:
     return rows
 
 
+def model_rows(rows_in) -> list:
+    """Bytes and collectives of one training step beside the hand-written ideal (Megatron, one
+    all-reduce per gradient, SyncBatchNorm); exact counts, so the goal needs no noise margin."""
+    out = []
+    for r in rows_in:
+        name = f"{r['model']} {r['plan']} step (4 sim. ranks)"
+        out.append(row(f"{name}: bytes", f"{r['bytes']:,}", f"ideal {r['ideal bytes']:,}",
+                       r["bytes"] / r["ideal bytes"], 1.1))
+        out.append(row(f"{name}: collectives", f"{r['collectives']}", f"ideal {r['ideal collectives']}",
+                       r["collectives"] / r["ideal collectives"], 1.1))
+    return out
+
+
 MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step, eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
@@ -122,6 +137,7 @@ MEASURES = [
     Measure("rt_tp", runtime_rows("tp")),
     Measure("dp", runtime_rows("dp")),
     Measure("rt_pp", runtime_rows("pp")),
+    Measure("models", model_rows),
 ]
 
 
