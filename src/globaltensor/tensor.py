@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from .boxing import Layout, execute, plan_boxing
-from .comm import get_world
+from .comm import collective_call, get_world
 from .placement import Placement
 from .sbp import as_nd_sbp, broadcast
 from .sbp.shape import piece_shape
@@ -130,7 +130,12 @@ class GlobalTensor(torch.Tensor):
         return _ToLocal.apply(self, _pick_rank(rank))
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole logical value as a plain tensor, on every rank (differentiable)."""
+        """The whole logical value as a plain tensor, on every rank (differentiable). A collective:
+        every rank calls it."""
+        with collective_call("full_tensor()", self.placement):
+            return self._full_tensor()
+
+    def _full_tensor(self) -> torch.Tensor:
         whole = self.to_global(sbp=(broadcast,) * self.placement.ndim)
         world = get_world()
         if len(self.placement.rank_list()) != world.size:  # the same answer on every rank
@@ -139,13 +144,16 @@ class GlobalTensor(torch.Tensor):
         return whole.to_local()
 
     def numpy(self, *, force: bool = False):
-        return self.full_tensor().detach().cpu().numpy()
+        with collective_call("numpy()", self.placement):
+            return self._full_tensor().detach().cpu().numpy()
 
     def tolist(self):
-        return self.full_tensor().tolist()
+        with collective_call("tolist()", self.placement):
+            return self._full_tensor().tolist()
 
     def item(self):
-        return self.full_tensor().item()
+        with collective_call("item()", self.placement):
+            return self._full_tensor().item()
 
     # -- conversion -----------------------------------------------------------------------
     def to_global(self, placement: Optional[Placement] = None, sbp=None, *, grad_sbp=None) -> "GlobalTensor":
