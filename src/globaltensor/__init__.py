@@ -9,6 +9,7 @@
 from . import sbp
 from .boxing import Plan, Step
 from .comm import CollectiveError, ConsistencyError, comm_stats, get_world, rank, set_timeout, simulate, world_size
+from .comm.consistency import set_check
 from .placement import Placement, placement
 from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
 from .ops import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
@@ -29,5 +30,5 @@ __all__ = [
     "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
     "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding", "nn",
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
-    "set_timeout", "CollectiveError", "ConsistencyError",
+    "set_timeout", "set_check", "CollectiveError", "ConsistencyError",
 ]

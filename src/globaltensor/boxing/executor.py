@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.consistency import CHECK as _check, confirm_boxing
 from ..comm.world import World
 from .layout import intersect, relative, take
 from .plan import Plan, Step
 
 
 def execute(plan: Plan, pieces: dict, world: World) -> dict:
+    if _check.enabled:
+        confirm_boxing(plan, pieces, world)
     for step in plan.steps:
         if step.is_collective:
             world.prepare_groups(step.groups)

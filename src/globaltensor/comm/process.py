@@ -125,6 +125,22 @@ class ProcessWorld(World):
         if self._board is not None:
             self._board.report_failure(text)
 
+    def gather_check(self, values: list) -> list:
+        """Every rank's vector of the consistency check (consistency.py), in rank order: a small
+        all-gather over the whole world, outside gt.comm_stats() and the traced mode."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = mine.new_empty(self.size * len(values))
+        self._run("consistency check", tuple(range(self.size)),
+                  lambda: _all_gather_single(out, mine, group=dist.group.WORLD))
+        return out.view(self.size, -1).tolist()
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        out = [None] * self.size
+        self._run("consistency check (details)", tuple(range(self.size)),
+                  lambda: dist.all_gather_object(out, obj, group=dist.group.WORLD))
+        return out
+
     def retime(self, seconds: float) -> None:
         """Give this rank's process groups the collective timeout of ``seconds``."""
         groups = {id(g): g for g in self._groups.values() if g is not dist.GroupMember.NON_GROUP_MEMBER}

@@ -29,10 +29,12 @@ from torch._decomp import decomposition_table
 from torch.utils._pytree import tree_flatten
 
 from ..boxing import Layout, plan_boxing
+from ..comm.consistency import CHECK as _check
 from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
 from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
 from .boxed_copy import copy_layout
+from .consistency import confirm_op
 from .fallback import run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
@@ -96,6 +98,8 @@ def _key(func, args, kwargs) -> tuple:
 
 
 def dispatch(cls, func, types, args=(), kwargs=None):
+    if _check.enabled:
+        confirm_op(func, args, kwargs)
     key = _key(func, args, kwargs)
     if not kwargs:
         kwargs = {}

@@ -1,0 +1,35 @@
+"""The consistency check before an op (gt.set_check): the op, its global inputs' layouts and pieces,
+its plain tensors and scalars, described for comm/consistency.py to compare across ranks."""
+from __future__ import annotations
+
+import torch
+
+from ..comm import get_world
+from ..comm.consistency import View, confirm, describe_global, describe_plain, describe_value
+from ..tensor import GlobalTensor
+
+_SCALARS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _describe(views, label: str, v) -> None:
+    if type(v) is GlobalTensor:
+        describe_global(views, label, v._layout, v._pieces)
+    elif isinstance(v, torch.Tensor):
+        describe_plain(views, label, v)
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            _describe(views, f"{label}[{i}]", x)
+    elif isinstance(v, _SCALARS):
+        describe_value(views, label, v)
+
+
+def confirm_op(func, args, kwargs) -> None:
+    """Every rank is about to run ``func`` on the same layouts, plain tensors and scalars."""
+    world = get_world()
+    views = {r: View() for r in world.local_ranks}
+    names = [a.name for a in func._schema.arguments]
+    for i, v in enumerate(args):
+        _describe(views, f"argument {names[i] if i < len(names) else i!s}", v)
+    for k, v in (kwargs or {}).items():
+        _describe(views, f"argument {k}", v)
+    confirm(f"op {func}", views, world)
