@@ -141,14 +141,21 @@ def _groups(values: Dict[int, object]) -> str:
     return ", ".join(f"ranks {rs}: {v}" for v, rs in by_value.items())
 
 
+def _steps_differ(views: Dict[int, View]):
+    """The message when the ranks are at different steps (their other facts would only add noise)."""
+    steps = {r: v.facts[0][2] for r, v in views.items()}
+    first = min(views)
+    if len(set(steps.values())) == 1:
+        return None
+    odd = sorted(r for r, s in steps.items() if s != steps[first])
+    return (f"globaltensor consistency check: ranks {odd} are at another step of the program than rank {first} "
+            f"({_groups(steps)}); a branch on the rank?")
+
+
 def _differences(views: Dict[int, View]) -> tuple:
-    """(the ranks that differ from the lowest rank, the differences in words)."""
+    """(the ranks that differ from the lowest rank, the differences in words), for ranks at one step."""
     out, odd = [], set()
     first = min(views)
-    steps = {r: v.facts[0][2] for r, v in views.items()}
-    if len(set(steps.values())) > 1:            # different steps: their details would only add noise
-        return sorted(r for r, s in steps.items() if s != steps[first]), [
-            f"the ranks are at different steps of the program ({_groups(steps)}); a branch on the rank?"]
     facts = {r: {(f[0], f[1]): f[2] for f in v.facts[1:]} for r, v in views.items()}
     names = list(dict.fromkeys(k for fs in facts.values() for k in fs))
     for name in names:
@@ -189,6 +196,9 @@ def confirm(what: str, views: Dict[int, View], world) -> None:
         if _agree(dict(enumerate(world.gather_check(mine.vector())))):
             return
         everyone = dict(enumerate(world.gather_objects(mine)))
+    steps = _steps_differ(everyone)
+    if steps is not None:
+        raise ConsistencyError(steps)
     odd, differences = _differences(everyone)
     raise ConsistencyError(f"globaltensor consistency check before {what}: ranks {odd} disagree with rank "
                            f"{min(everyone)}: " + "; ".join(differences))

@@ -56,7 +56,8 @@ def _all_arrived(op: str, group, pieces) -> None:
     if not all(r in pieces for r in group):
         missing = [r for r in group if r not in pieces]
         raise CollectiveError(f"globaltensor: collective {op} over ranks {list(group)}: ranks {missing} did not "
-                              f"arrive (no piece was given for them){calling_hint()}")
+                              f"arrive: no piece was given for them (a tensor made before gt.simulate changed the "
+                              f"world?){calling_hint()}")
 
 
 def _sum(ts):
