@@ -55,6 +55,6 @@ def test_process_error_is_raised_as_documented(job, entry_id):
 def test_the_collective_timeout_names_the_missing_rank_and_the_method(job):
     result, records = job
     msg = records[("collective-did-not-arrive", 0)]["message"]
-    assert "ranks [1] did not arrive (rank 1: it is in no collective" in msg, msg
+    assert "ranks [1] did not arrive (rank 1: last seen in no collective" in msg, msg
     assert "numpy() is a collective: every rank of the placement [0, 1] must call it" in msg, msg
     assert "Timed out" in msg, msg

@@ -6,8 +6,9 @@ job's store (``globaltensor/arrivals/RANK``) whenever it changed, at most every
 :data:`PERIOD_S` seconds; a collective pays a counter and two dictionary writes, never a store
 round trip. When a collective fails, the failing rank reads its peers' states: a peer that
 has entered fewer collectives on the group did not arrive, and its state says where it is
-instead (waiting in another collective, in no collective at all, or failed -- a rank reports
-its own failure at once, see :meth:`ArrivalBoard.report_failure`).
+instead, as last seen (waiting in another collective, in no collective at all, or failed -- a
+rank reports its own failure at once, see :meth:`ArrivalBoard.report_failure`). A rank killed
+outright is last seen up to :data:`PERIOD_S` before it died.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import json
 import threading
 from typing import Dict, List, Optional, Tuple
 
-PERIOD_S = 0.05
+PERIOD_S = 0.01
 PREFIX = "globaltensor/arrivals/"
 
 
@@ -108,9 +109,9 @@ def _where(state: dict, key: tuple, last) -> str:
     if state["failure"]:
         parts.append(f"it failed: {state['failure']}")
     inside = [f"{op} #{s} over ranks {list(k)}" for k, op, s in state["inside"]]
-    parts.append("it is waiting in " + ", ".join(inside) if inside else "it is in no collective")
-    parts.append(f"its last collective over ranks {_ranks(key)} was {last[0]} #{last[1]}" if last else
-                 f"it has entered no collective over ranks {_ranks(key)}")
+    parts.append("last seen waiting in " + ", ".join(inside) if inside else "last seen in no collective")
+    parts.append(f"its last collective over ranks {_ranks(key)} then was {last[0]} #{last[1]}" if last else
+                 f"it had entered no collective over ranks {_ranks(key)}")
     return "; ".join(parts)
 
 
