@@ -54,7 +54,9 @@ def value_hash(t: torch.Tensor) -> int:
     """A hash of a tensor's dtype, shape and values (its bytes)."""
     flat = t.detach().reshape(-1).contiguous().cpu()
     raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.uint8 else flat
-    return _digest(f"{t.dtype}{tuple(t.shape)}".encode() + raw.numpy().tobytes())
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=8)
+    h.update(memoryview(raw.numpy()))
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 @dataclass
