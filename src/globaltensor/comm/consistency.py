@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import ConsistencyError
 
@@ -51,11 +52,14 @@ def _digest(data: bytes) -> int:
 
 
 def value_hash(t: torch.Tensor) -> int:
-    """A hash of a tensor's dtype, shape and values (its bytes)."""
-    flat = t.detach().reshape(-1).contiguous().cpu()
-    raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.uint8 else flat
-    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=8)
-    h.update(memoryview(raw.numpy()))
+    """A hash of a tensor's dtype, shape and values (its bytes). Outside any dispatch mode, reading
+    memory through the C method: while the traced mode captures, neither the mode records these
+    ops nor does its guard on ``Tensor.numpy`` (there for the user's host reads) stop them."""
+    with _disable_current_modes():
+        flat = t.detach().reshape(-1).contiguous().cpu()
+        raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.uint8 else flat
+        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=8)
+        h.update(memoryview(torch._C.TensorBase.numpy(raw)))
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
