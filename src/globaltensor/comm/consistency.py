@@ -123,8 +123,10 @@ def describe_plain(views: Dict[int, View], label: str, t: torch.Tensor) -> None:
 
 
 def describe_value(views: Dict[int, View], label: str, v) -> None:
+    """A scalar argument. A device counts by its type: each rank's own CUDA device has its index."""
+    fact = (label, "value", repr(v.type if isinstance(v, torch.device) else v))
     for view in views.values():
-        view.facts.append((label, "value", repr(v)))
+        view.facts.append(fact)
 
 
 # -- comparing ------------------------------------------------------------------------------
