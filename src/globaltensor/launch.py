@@ -260,7 +260,13 @@ def run(args: argparse.Namespace) -> int:
             for rank in range(args.nproc):
                 procs.append(start_rank(cmd, rank_env(os.environ, rank, args.nproc, args.master_addr, port)))
             pumps = start_pumps(procs)
-            store = host_store(port, args.nproc)  # noqa: F841 -- served while it lives
+            try:
+                store = host_store(port, args.nproc)  # noqa: F841 -- served while it lives
+            except RuntimeError as e:
+                _say(f"cannot serve the job's store on port {port} ({e}); terminating ranks")
+                terminate(procs, args.grace)
+                _drain(pumps)
+                return 1
             outcome, ranks = monitor(procs, args.timeout)
     except _Stop as stop:
         alive = [r for r, p in enumerate(procs) if p.poll() is None]
