@@ -95,3 +95,12 @@ def test_the_check_is_off_by_default_and_costs_no_exchange(p1):
     x = gt.distribute(torch.arange(8.0).reshape(4, 2), p1, B)
     x.to_local(rank=3).mul_(2)
     x.sum()                                         # unchecked: no error (the user's mistake goes unseen)
+
+
+def test_a_buffer_an_op_only_fills_is_not_compared(p1, check_on):
+    """``bernoulli_`` writes into an uninitialised replica: its old values may differ between ranks."""
+    x = gt.empty(4, 4, placement=p1, sbp=B)
+    for r, piece in x.local_tensors().items():
+        piece.fill_(float(r))                       # as uninitialised memory may be
+    x.bernoulli_(0.5)
+    torch.nn.functional.dropout(gt.ones(8, 4, placement=p1, sbp=B), 0.3)

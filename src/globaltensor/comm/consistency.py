@@ -96,10 +96,10 @@ def describe_layout(view: View, label: str, layout) -> None:
                    (label, "placement", repr(layout.placement)), (label, "sbp", repr(tuple(layout.nd_sbp)))]
 
 
-def describe_global(views: Dict[int, View], label: str, layout, pieces: dict) -> None:
+def describe_global(views: Dict[int, View], label: str, layout, pieces: dict, values: bool = True) -> None:
     """A global tensor: its meta (a fact), each held rank's piece against the layout (a problem when
-    it does not fit) and, where the layout has replicas, the piece's values."""
-    replicas = _has_replicas(layout)
+    it does not fit) and, where the layout has replicas and ``values``, the piece's values."""
+    replicas = values and _has_replicas(layout)
     for r, view in views.items():
         describe_layout(view, label, layout)
         if r not in layout.placement:
@@ -201,9 +201,10 @@ def confirm(what: str, views: Dict[int, View], world) -> None:
         everyone = views
     else:
         (mine,) = views.values()
-        if _agree(dict(enumerate(world.gather_check(mine.vector())))):
-            return
-        everyone = dict(enumerate(world.gather_objects(mine)))
+        with _disable_current_modes():     # the traced mode, capturing, must not record the check's collectives
+            if _agree(dict(enumerate(world.gather_check(mine.vector())))):
+                return
+            everyone = dict(enumerate(world.gather_objects(mine)))
     steps = _steps_differ(everyone)
     if steps is not None:
         raise ConsistencyError(steps)

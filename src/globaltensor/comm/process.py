@@ -134,7 +134,7 @@ class ProcessWorld(World):
         out = mine.new_empty(self.size * len(values))
         self._run("consistency check", tuple(range(self.size)),
                   lambda: _all_gather_single(out, mine, group=dist.group.WORLD))
-        return out.view(self.size, -1).tolist()
+        return torch._C.TensorBase.tolist(out.view(self.size, -1))   # not Tensor.tolist: the traced mode guards that
 
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj`` (picklable), in rank order."""
