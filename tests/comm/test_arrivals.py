@@ -51,8 +51,9 @@ def published(board: ArrivalBoard) -> None:
 
 def test_a_rank_behind_on_the_group_did_not_arrive(boards):
     group = (0, 1, 2)
-    for r in (0, 1, 2):
-        boards[r].leave(group) if boards[r].enter("all_gather", group) else None
+    for b in boards.values():                        # collective #1: everyone, in and out
+        b.enter("all_gather", group)
+        b.leave(group)
     seq = boards[0].enter("all_reduce", group)           # ranks 0 and 1 enter collective #2, rank 2 does not
     boards[1].enter("all_reduce", group)
     boards[2].enter("broadcast", (1, 2))                 # rank 2 waits elsewhere
