@@ -8,7 +8,9 @@
 """
 from . import sbp
 from .boxing import Plan, Step
-from .comm import CommProfile, comm_profile, comm_stats, get_world, rank, set_log_level, simulate, world_size
+from .comm import (CollectiveError, CommProfile, ConsistencyError, comm_profile, comm_stats, get_world, rank,
+                   set_log_level, set_timeout, simulate, world_size)
+from .comm.consistency import set_check
 from .placement import Placement, placement
 from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
 from .ops import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
@@ -33,4 +35,5 @@ __all__ = [
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
     "to_dtensor", "from_dtensor",
     "comm_profile", "CommProfile", "set_log_level",
+    "set_timeout", "set_check", "CollectiveError", "ConsistencyError",
 ]

@@ -5,6 +5,12 @@ the torchrun-compatible environment MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK a
 LOCAL_RANK, from which globaltensor's process world initialises itself. Every line a rank
 writes is echoed with a ``[rank N] `` prefix on the launcher's stdout or stderr.
 
+The launcher hosts the job's store (a ``torch.distributed.TCPStore`` on MASTER_PORT, as
+torchrun's agent does; the ranks connect to it as clients, ``TORCHELASTIC_USE_AGENT_STORE``):
+it outlives every rank, so when a rank dies the others can still read from it who did not
+arrive at a collective and why (comm/arrivals.py) -- with rank 0 hosting it, rank 0's death
+would take that away.
+
 The job fails fast: as soon as one rank exits non-zero or dies by a signal, the others are
 sent SIGTERM, then SIGKILL after a grace period, and the launcher exits non-zero naming the
 rank and how it ended. ``--timeout`` bounds the whole job the same way.
@@ -106,8 +112,19 @@ def rank_env(base: dict, rank: int, world_size: int, master_addr: str, master_po
     env = dict(base)
     env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(world_size),
                RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-               GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world_size))
+               GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world_size),
+               TORCHELASTIC_USE_AGENT_STORE="True")
     return env
+
+
+def host_store(master_port: int, world_size: int):
+    """The job's store, served from this process until it exits (the ranks' connections retry until
+    it is up, so the ranks start while torch loads here)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    return TCPStore("0.0.0.0", master_port, world_size, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=60))
 
 
 def command(args: argparse.Namespace) -> List[str]:
@@ -243,6 +260,13 @@ def run(args: argparse.Namespace) -> int:
             for rank in range(args.nproc):
                 procs.append(start_rank(cmd, rank_env(os.environ, rank, args.nproc, args.master_addr, port)))
             pumps = start_pumps(procs)
+            try:
+                store = host_store(port, args.nproc)  # noqa: F841 -- served while it lives
+            except RuntimeError as e:
+                _say(f"cannot serve the job's store on port {port} ({e}); terminating ranks")
+                terminate(procs, args.grace)
+                _drain(pumps)
+                return 1
             outcome, ranks = monitor(procs, args.timeout)
     except _Stop as stop:
         alive = [r for r, p in enumerate(procs) if p.poll() is None]

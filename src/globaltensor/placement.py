@@ -127,7 +127,10 @@ class Placement:
 
     def coord(self, rank: int) -> tuple:
         """The position of ``rank`` in the hierarchy."""
-        return self._rank_coords[rank]
+        try:
+            return self._rank_coords[rank]
+        except (KeyError, TypeError):
+            raise ValueError(f"placement.coord: rank {rank!r} is not in {self!r}") from None
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Placement) and self._key == other._key

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from .boxing import Layout, execute, plan_boxing
-from .comm import get_world
+from .comm import collective_call, get_world
 from .comm.profile_context import run_labelled
 from .placement import Placement
 from .sbp import as_nd_sbp, broadcast
@@ -157,7 +157,12 @@ class GlobalTensor(torch.Tensor):
         return _ToLocal.apply(self, _pick_rank(rank))
 
     def full_tensor(self) -> torch.Tensor:
-        """The whole logical value as a plain tensor, on every rank (differentiable)."""
+        """The whole logical value as a plain tensor, on every rank (differentiable). A collective:
+        every rank calls it."""
+        with collective_call("full_tensor()", self.placement):
+            return self._full_tensor()
+
+    def _full_tensor(self) -> torch.Tensor:
         whole = self.to_global(sbp=(broadcast,) * self.placement.ndim)
         world = get_world()
         if len(self.placement.rank_list()) != world.size:  # the same answer on every rank
@@ -167,15 +172,18 @@ class GlobalTensor(torch.Tensor):
 
     def numpy(self, *, force: bool = False):
         """The whole logical value as a numpy array, on every rank (a collective)."""
-        return self.full_tensor().detach().cpu().numpy()
+        with collective_call("numpy()", self.placement):
+            return self._full_tensor().detach().cpu().numpy()
 
     def tolist(self):
         """The whole logical value as nested lists, on every rank (a collective)."""
-        return self.full_tensor().tolist()
+        with collective_call("tolist()", self.placement):
+            return self._full_tensor().tolist()
 
     def item(self):
         """The value of a one-element tensor, on every rank (a collective)."""
-        return self.full_tensor().item()
+        with collective_call("item()", self.placement):
+            return self._full_tensor().item()
 
     # -- torch.distributed.checkpoint (see dcp_protocol.py) -------------------------------
     def __create_write_items__(self, fqn: str, object) -> list:

@@ -9,9 +9,9 @@ tensor placement), dropout, ``g.pipeline`` and 2-stage pipeline parallelism with
 Three more launches fail on purpose: an op raising in the graph on every rank (a GraphError on
 every rank within seconds, a recapture that works, then a non-zero exit naming the op), on rank 0
 only while its peers wait in an all-gather (rank 0's process dies of its GraphError; the others
-leave the all-gather with a GraphError naming the collective, well before the collective
-timeout), and on rank 0 only with rank 0 staying alive (the others fail after the collective
-timeout, naming the collective).
+leave the all-gather with a GraphError naming the collective and rank 0's failing op, well before
+the collective timeout), and on rank 0 only with rank 0 staying alive (the others fail after the
+collective timeout, naming the collective and rank 0's failing op).
 """
 from __future__ import annotations
 
@@ -88,14 +88,16 @@ def _assert_op_error(rec: dict, rank: int, job) -> None:
 
 
 def _assert_collective_error(rec: dict, rank: int, job) -> None:
-    """The record of a rank left waiting in the all-gather: a GraphError naming the collective and rank."""
+    """The record of a rank left waiting in the all-gather: a GraphError naming the collective and rank, and
+    rank 0 as the rank that did not arrive, with the op that failed there."""
     msg = rec["graph_error"]
     assert msg is not None, f"rank {rank}: expected gt.GraphError, got {rec['other']}\n" + job.describe()
     assert f"globaltensor: rank {rank}: collective all_gather over ranks [0, 1, 2, 3] failed" in msg, \
         f"rank {rank}: the GraphError does not name the collective and the rank: {msg}"
     assert re.search(rf"task \S*all_gather\S*@r{rank} \(op all_gather, rank {rank}\)", msg), \
         f"rank {rank}: the GraphError does not name the collective's task: {msg}"
-    assert OP not in msg, f"rank {rank}: its own op did not fail, but the error says so: {msg}"
+    assert f"ranks [0] did not arrive (rank 0: it failed: GraphError: globaltensor: task " in msg and OP in msg, \
+        f"rank {rank}: the GraphError does not name the op that failed on rank 0: {msg}"
 
 
 def test_op_raising_on_every_rank_is_a_graph_error_on_every_rank(launch):

@@ -17,8 +17,10 @@ On CUDA each stream thread owns a ``torch.cuda.Stream``; a cross-stream input wa
 event its producer recorded, and the tensor is marked as used by the consumer's stream.
 
 An exception in any task stops the graph: every thread leaves its loop, and the caller gets an
-error naming the task (op and rank). The graph is broken after that (``CompiledFunction``
-captures again on the next call).
+error naming the task (op and rank). In a process world the failure is also published for the
+other ranks (``World.report_failure``): their graphs stop when their next collective with this
+rank fails, and that error names this rank's task and op. The graph is broken after that
+(``CompiledFunction`` captures again on the next call).
 """
 from __future__ import annotations
 
@@ -420,8 +422,11 @@ class Runtime:
 
     def _fail(self, e: BaseException, t) -> None:
         with self.lock:
-            if self.failed is None:
+            first = self.failed is None
+            if first:
                 self.failed = (e, t)
+        if first:
+            self.world.report_failure(f"GraphError: {_failure_text(e, t)}")
         for s in self.streams.values():
             with s.cond:
                 s.cond.notify_all()
@@ -523,6 +528,10 @@ class Runtime:
     def _raise(self):
         e, t = self.failed
         self.close()
-        where = f"task {t.name} (op {t.spec.node.label if t.spec.node is not None else 'mean over micro-batches'}, rank {t.spec.rank})" \
-            if t is not None else "a task"
-        raise GraphError(f"globaltensor: {where} raised in the compiled graph: {type(e).__name__}: {e}") from e
+        raise GraphError(_failure_text(e, t)) from e
+
+
+def _failure_text(e: BaseException, t) -> str:
+    where = f"task {t.name} (op {t.spec.node.label if t.spec.node is not None else 'mean over micro-batches'}, " \
+            f"rank {t.spec.rank})" if t is not None else "a task"
+    return f"globaltensor: {where} raised in the compiled graph: {type(e).__name__}: {e}"

@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 
 from ..comm import profile_context as attribution
+from ..comm.consistency import CHECK as _check, confirm_boxing
 from ..comm.world import World
 from .layout import intersect, relative, take
 from .plan import Plan, Step
 
 
 def execute(plan: Plan, pieces: dict, world: World) -> dict:
+    if _check.enabled:
+        confirm_boxing(plan, pieces, world)
     if attribution.on:                  # a comm_profile is open, or boxings are logged
         return attribution.within_boxing(plan, run_steps, pieces, world)
     return run_steps(plan, pieces, world)

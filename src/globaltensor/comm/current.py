@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ..placement import set_world_size_source
 from .simulated import SimulatedWorld
+from .timeouts import set_timeout_s
 from .world import World
 
 _world: World | None = None
@@ -64,3 +65,13 @@ def world_size() -> int:
 
 
 set_world_size_source(world_size)
+
+
+def set_timeout(seconds: float) -> float:
+    """Collectives wait at most ``seconds`` (default 60, or ``GT_COLLECTIVE_TIMEOUT``) for their
+    peers, then fail naming the ranks that did not arrive. Applies to collectives already set up;
+    every rank should set the same value. Returns the previous timeout."""
+    previous = set_timeout_s(seconds)
+    if _world is not None:
+        _world.retime(float(seconds))
+    return previous

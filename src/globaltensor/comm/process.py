@@ -3,7 +3,9 @@
 Initialised from MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK / LOCAL_RANK on first use,
 or taken over from an already-initialised default group. Sub-groups are created on every
 rank, members or not, in the same order (see :meth:`ProcessWorld.prepare_groups`), and
-cached. A failing or timed-out collective raises an error naming the rank and the op.
+cached. A failing or timed-out collective raises :class:`CollectiveError` naming the rank, the
+op, the group and the ranks that did not arrive (arrivals.py), and the collective method a user
+called, if any (errors.py). The timeout is ``gt.set_timeout`` (timeouts.py).
 """
 from __future__ import annotations
 
@@ -16,16 +18,14 @@ import torch
 import torch.distributed as dist
 
 from ..sbp.shape import numel
+from .arrivals import ArrivalBoard, describe_missing
+from .errors import CollectiveError, calling_hint
+from .timeouts import collective_timeout
 from .world import Started, World
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a warning on every run) for all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def collective_timeout() -> timedelta:
-    """``GT_COLLECTIVE_TIMEOUT`` seconds (default 300): how long a collective may wait for peers."""
-    return timedelta(seconds=float(os.environ.get("GT_COLLECTIVE_TIMEOUT", "300")))
 
 
 def exit_barrier_timeout() -> timedelta:
@@ -54,13 +54,25 @@ def _exit_barrier(size: int) -> None:
 
 def _note_uncaught_errors(world) -> None:
     """Mark ``world`` failed when the program dies of an exception: then its exit skips the final
-    barrier, so the launcher sees the failure at once instead of after a barrier timeout."""
+    barrier, so the launcher sees the failure at once instead of after a barrier timeout; and
+    tell the peers, which may be waiting for this rank in a collective."""
     previous = sys.excepthook
 
-    def hook(*exc):
+    def hook(kind, value, tb):
         world._failed = True
-        previous(*exc)
+        world.report_failure(f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
     sys.excepthook = hook
+
+
+def _arrival_board(rank: int):
+    """The board publishing this rank's arrivals in the default group's store (None without one: then
+    a failed collective names its op and group, but not who did not arrive)."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return ArrivalBoard(get_store(), rank) if get_store is not None else None
+    except Exception:
+        return None
 
 
 class ProcessWorld(World):
@@ -81,6 +93,7 @@ class ProcessWorld(World):
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._groups = {}
         self._failed = False
+        self._board = _arrival_board(self.rank)
         _note_uncaught_errors(self)
         atexit.register(self._shutdown, created)
 
@@ -97,6 +110,8 @@ class ProcessWorld(World):
         keeps a group alive.
         """
         self._groups.clear()
+        if self._board is not None:
+            self._board.stop()
         if destroy and dist.is_initialized():
             try:
                 if not self._failed:
@@ -107,6 +122,33 @@ class ProcessWorld(World):
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+    def report_failure(self, text: str) -> None:
+        if self._board is not None:
+            self._board.report_failure(text)
+
+    def gather_check(self, values: list) -> list:
+        """Every rank's vector of the consistency check (consistency.py), in rank order: a small
+        all-gather over the whole world, outside gt.comm_stats() and the traced mode."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = mine.new_empty(self.size * len(values))
+        self._run("consistency check", tuple(range(self.size)),
+                  lambda: _all_gather_single(out, mine, group=dist.group.WORLD))
+        return torch._C.TensorBase.tolist(out.view(self.size, -1))   # not Tensor.tolist: the traced mode guards that
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        out = [None] * self.size
+        self._run("consistency check (details)", tuple(range(self.size)),
+                  lambda: dist.all_gather_object(out, obj, group=dist.group.WORLD))
+        return out
+
+    def retime(self, seconds: float) -> None:
+        """Give this rank's process groups the collective timeout of ``seconds``."""
+        groups = {id(g): g for g in self._groups.values() if g is not dist.GroupMember.NON_GROUP_MEMBER}
+        groups[id(dist.group.WORLD)] = dist.group.WORLD
+        for g in groups.values():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), g)
 
     # -- groups ---------------------------------------------------------------------------
     def prepare_groups(self, groups) -> None:
@@ -134,10 +176,20 @@ class ProcessWorld(World):
         return pg, [key.index(r) for r in group]
 
     def _run(self, op: str, group: tuple, fn):
+        key = tuple(sorted(group))
+        board = self._board
+        seq = board.enter(op, key) if board is not None else 0
         try:
-            return fn()
+            out = fn()
         except Exception as e:
-            raise RuntimeError(f"globaltensor: rank {self.rank}: collective {op} over ranks {list(group)} failed: {e}") from e
+            if board is not None:
+                board.leave(key)
+            raise CollectiveError(f"globaltensor: rank {self.rank}: collective {op} over ranks {list(group)} failed: "
+                                  f"{describe_missing(board, key, seq, op)}{calling_hint()}; "
+                                  f"{type(e).__name__}: {e}") from e
+        if board is not None:
+            board.leave(key)
+        return out
 
     # -- collectives ----------------------------------------------------------------------
     def _all_gather(self, group, pieces, dim, sizes):
@@ -278,9 +330,9 @@ class ProcessWorld(World):
                 out[i] = torch.empty(t.shape, dtype=dtype, device=device)
                 if out[i].numel():
                     ops.append(dist.P2POp(dist.irecv, out[i], t.src, tag=i))
-        if ops:
-            peers = sorted({t.src for t in transfers} | {t.dst for t in transfers})
-            self._run("send_recv", tuple(peers), lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
+        peers = tuple(sorted({t.src for t in transfers} | {t.dst for t in transfers}))
+        if me in peers:    # every peer counts the exchange, those with nothing to send or receive too
+            self._run("send_recv", peers, lambda: [w.wait() for w in dist.batch_isend_irecv(ops)] if ops else None)
         return out
 
 

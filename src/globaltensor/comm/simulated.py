@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .errors import CollectiveError, calling_hint
 from .world import Started, World
 
 _comm_thread = None
@@ -36,15 +37,18 @@ class SimulatedWorld(World):
         return torch.device("cpu") if device_type == "cpu" else torch.device("cuda", self._cuda_device)
 
     def _all_gather(self, group, pieces, dim, sizes):
+        _all_arrived("all_gather", group, pieces)
         full = torch.cat([pieces[r] for r in group], dim=dim)
         return {r: full if i == 0 else full.clone() for i, r in enumerate(group)}
 
     def _reduce_scatter(self, group, pieces, dim, sizes):
+        _all_arrived("reduce_scatter", group, pieces)
         total = _sum([pieces[r] for r in group])
         parts = torch.split(total, list(sizes), dim=dim)
         return {r: parts[i].contiguous() for i, r in enumerate(group)}
 
     def _all_reduce(self, group, pieces):
+        _all_arrived("all_reduce", group, pieces)
         total = _sum([pieces[r] for r in group])
         return {r: total if i == 0 else total.clone() for i, r in enumerate(group)}
 
@@ -55,14 +59,26 @@ class SimulatedWorld(World):
         return Started(_thread().submit(self._reduce_scatter, group, pieces, 0, sizes).result)
 
     def _all_to_all(self, group, chunks, shapes, dtype):
+        _all_arrived("all_to_all", group, chunks)
         return {r: [chunks[s][i] for s in group] for i, r in enumerate(group)}
 
     def _broadcast(self, group, src, pieces, shape, dtype, device_type):
+        _all_arrived("broadcast", (src,), pieces)
         t = pieces[src]
         return {r: t.to(self.device(device_type, r), copy=True) for r in group}
 
     def _send_recv(self, transfers, payload, dtype, device_type):
         return {i: payload[i].to(self.device(device_type, t.dst)) for i, t in enumerate(transfers)}
+
+
+def _all_arrived(op: str, group, pieces) -> None:
+    """Every member brought its piece: one process drives every simulated rank, so a missing piece is
+    a collective that only some ranks called -- which, in a process world, would hang."""
+    if not all(r in pieces for r in group):
+        missing = [r for r in group if r not in pieces]
+        raise CollectiveError(f"globaltensor: collective {op} over ranks {list(group)}: ranks {missing} did not "
+                              f"arrive: no piece was given for them (a tensor made before gt.simulate changed the "
+                              f"world?){calling_hint()}")
 
 
 def _sum(ts):

@@ -92,6 +92,12 @@ class World(ABC):
     def holds(self, rank: int) -> bool:
         return rank in self._local_set
 
+    def report_failure(self, text: str) -> None:
+        """Tell the peers that this rank failed (a process world publishes it for their error messages)."""
+
+    def retime(self, seconds: float) -> None:
+        """Apply a new collective timeout to the collectives already set up (gt.set_timeout)."""
+
     def prepare_groups(self, groups) -> None:
         """Make ready the communicators of ``groups``; every rank calls it with the same groups in
         the same order (a process world creates process groups here; nothing to do in one process)."""

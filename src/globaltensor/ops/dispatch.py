@@ -31,10 +31,12 @@ from torch.utils._pytree import tree_flatten
 from ..boxing import Layout, plan_boxing
 from ..comm import profile_context as attribution
 from ..comm.profile_log import log_signature, signatures_logged
+from ..comm.consistency import CHECK as _check
 from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
 from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
 from .boxed_copy import copy_layout
+from .consistency import confirm_op
 from .fallback import run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
@@ -109,6 +111,8 @@ def _key(func, args, kwargs) -> tuple:
 def dispatch(cls, func, types, args=(), kwargs=None):
     if attribution.on and attribution.entering_op():      # a comm_profile is open, or boxings are logged
         return attribution.within_op(dispatch, cls, func, types, args, kwargs)
+    if _check.enabled:
+        confirm_op(func, args, kwargs)
     # the hit path is ``_key`` inlined for global tensors without a kept copy, one look-up
     key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
     for v in args:

@@ -27,6 +27,8 @@ def _shape(size) -> tuple:
 def _layout(shape, dtype, placement, sbp, name: str) -> Layout:
     if not isinstance(placement, Placement):
         raise TypeError(f"{name}(placement=): expected a globaltensor placement, got {placement!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}(dtype=): expected a torch.dtype such as torch.float32, got {dtype!r}")
     if sbp is None:
         raise ValueError(f"{name}: sbp= is required")
     nd = as_nd_sbp(sbp, placement.ndim, len(shape), f"{name}(sbp)")
@@ -85,6 +87,8 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, req
     """``torch.arange(start, end, step)`` as a 1-D global tensor; each rank makes only its part."""
     if end is None:
         start, end = 0, start
+    if step == 0 or (end - start) * step < 0:
+        raise ValueError(f"arange: the step {step} does not lead from {start} to {end}")
     n = max(0, -(-(end - start) // step)) if all(isinstance(v, int) for v in (start, end, step)) else \
         len(torch.arange(start, end, step))
     if dtype is None:

@@ -32,7 +32,6 @@ def _warn_once(func) -> None:
 
 
 def run_fallback(func, flat, spec):
-    _warn_once(func)
     placement = next(v.placement for v in flat if isinstance(v, GlobalTensor))
     b = (broadcast,) * placement.ndim
     gathered = list(flat)
@@ -51,6 +50,7 @@ def run_fallback(func, flat, spec):
     if not ranks:
         raise RuntimeError(f"{func}: this process holds no rank of {placement}, so it cannot run the op "
                            f"(it has no rule; ranks outside a placement skip only ops with rules)")
+    _warn_once(func)       # after the op ran: an op invalid for its shapes raises torch's error, unwarned
     out_flat, out_spec = per_rank[ranks[0]]
     result = []
     for j, v in enumerate(out_flat):

@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..sbp import as_signature
+
 aten = torch.ops.aten
 
 
@@ -55,6 +57,7 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     returning one. Usable as a decorator: ``@register_rule(aten.mm)``.
     """
     def install(fn):
+        _check_rule(ops, fn, local, kernel)
         rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
@@ -66,6 +69,25 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
         return install
     install(candidates)
     return candidates
+
+
+def _check_rule(ops, candidates, local, kernel) -> None:
+    """Bad arguments fail here, at registration, not at the op's first call."""
+    for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            raise TypeError(f"register_rule: expected an aten op such as torch.ops.aten.mm, got {op!r}")
+    if not callable(candidates):
+        if not isinstance(candidates, (list, tuple)):
+            raise TypeError(f"register_rule: candidates must be a list of signatures such as 'S(0), B -> S(0)' "
+                            f"or a function returning one, got {candidates!r}")
+        for c in candidates:
+            try:
+                as_signature(c)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"register_rule: candidate {c!r}: {e}") from None
+    for name, fn in (("local", local), ("kernel", kernel)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"register_rule: {name}= must be a function, got {fn!r}")
 
 
 _TAGGED: list = []

@@ -1,0 +1,247 @@
+"""One way to trigger each error of docs/errors.md that a single process can raise (4 simulated
+ranks): ``CASES[entry id]()`` raises it. The errors only a process world raises are triggered by
+``_process_errors.py`` (see test_process_errors.py)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import torch
+from torch import nn
+
+import globaltensor as gt
+import globaltensor.nn as gnn
+from globaltensor import launch
+from globaltensor.comm import timeouts
+from globaltensor.comm.process import ProcessWorld
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+relu = torch.ops.aten.relu.default
+
+
+def p4():
+    return gt.placement("cpu", [0, 1, 2, 3])
+
+
+def p22():
+    return gt.placement("cpu", [[0, 1], [2, 3]])
+
+
+def x84():
+    return gt.randn(8, 4, placement=p4(), sbp=S(0))
+
+
+def _assign_split_dim():
+    S(0).dim = 1
+
+
+def _delete_split_dim():
+    del S(0).dim
+
+
+def _stale_world():
+    x = x84()
+    with gt.simulate(2):
+        x.to_global(sbp=B)
+
+
+def _zero_plain_grad():
+    layer = gnn.distribute_module(nn.Linear(4, 4), p4(), {"*": B})
+    opt = gnn.ZeroOptimizer(layer.parameters(), torch.optim.SGD, lr=0.1)
+    layer.weight.grad = torch.ones(4, 4)
+    opt.step()
+
+
+def _tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+    gnn.distribute_module(Tied(), p4(), {"a.weight": S(0), "b.weight": B})
+
+
+def _compiled(fn, *args, **options):
+    """Call ``gt.compile(fn, **options)`` three times: warm-up, capture, a graph run."""
+    g = gt.compile(fn, **options)
+    for _ in range(3):
+        g(*args)
+    return g
+
+
+def _graph_error():
+    """A graph captured on good pieces, then run on an argument of the same meta whose rank-2 piece
+    cannot be gathered with the others: the all-gather task raises."""
+    g = gt.compile(lambda x: (x * 2).to_global(sbp=B), warmup=0)
+    g(x84())
+    bad = x84()
+    bad._pieces[2] = torch.ones(5, 5)
+    g(bad)
+
+
+def _env_timeout():
+    saved, os.environ["GT_COLLECTIVE_TIMEOUT"] = os.environ.get("GT_COLLECTIVE_TIMEOUT"), "soon"
+    previous, timeouts._seconds = timeouts._seconds, None
+    try:
+        timeouts.timeout_s()
+    finally:
+        timeouts._seconds = previous
+        if saved is None:
+            del os.environ["GT_COLLECTIVE_TIMEOUT"]
+        else:
+            os.environ["GT_COLLECTIVE_TIMEOUT"] = saved
+
+
+def _process_world_env():
+    saved = {k: os.environ.pop(k, None) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(WORLD_SIZE="2", RANK="0")
+    try:
+        ProcessWorld()
+    finally:
+        for k in ("WORLD_SIZE", "RANK"):
+            del os.environ[k]
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+def _check_replicas():
+    previous = gt.set_check(True)
+    try:
+        x = gt.distribute(torch.arange(8.0).reshape(4, 2), p4(), B)
+        x.to_local(rank=2).add_(1)                 # rank 2's replica no longer equals the others
+        x * 2
+    finally:
+        gt.set_check(previous)
+
+
+def _check_piece_shape():
+    previous = gt.set_check(True)
+    try:
+        x = gt.distribute(torch.arange(8.0).reshape(4, 2), p4(), S(0))
+        x._pieces[1] = torch.zeros(3, 2)           # not the piece S(0) gives rank 1
+        x.to_global(sbp=B)
+    finally:
+        gt.set_check(previous)
+
+
+def _launch(*argv):
+    """The launcher's command line: argparse prints ``... error: MESSAGE`` and exits with status 2;
+    raised here as that SystemExit with the message, for the catalogue to compare."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            launch.parse_args(list(argv))
+    except SystemExit as e:
+        assert e.code == 2, e.code
+        raise SystemExit(err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[1]) from None
+
+
+CASES = {
+    # placements
+    "placement-type-not-str": lambda: gt.placement(3, [0]),
+    "placement-type-unknown": lambda: gt.placement("tpu", [0]),
+    "placement-ranks-missing": lambda: gt.placement("cpu"),
+    "placement-ranks-int": lambda: gt.placement("cpu", 3),
+    "placement-ranks-not-ints": lambda: gt.placement("cpu", [0, "1"]),
+    "placement-ranks-ragged": lambda: gt.placement("cpu", [[0, 1], [2]]),
+    "placement-ranks-empty": lambda: gt.placement("cpu", []),
+    "placement-ranks-duplicate": lambda: gt.placement("cpu", [0, 1, 1]),
+    "placement-ranks-negative": lambda: gt.placement("cpu", [-1, 0]),
+    "placement-ranks-outside-world": lambda: gt.placement("cpu", [0, 7]),
+    "placement-coord-outside": lambda: p4().coord(7),
+    # SBP
+    "split-dim-not-int": lambda: S("0"),
+    "sbp-immutable": _assign_split_dim,
+    "sbp-immutable-delete": _delete_split_dim,
+    "sbp-not-sbp": lambda: x84().to_global(sbp="B"),
+    "sbp-value-not-sbp": lambda: gt.randn(4, 4, placement=p22(), sbp=(S(0), "B")),
+    "sbp-length": lambda: gt.randn(4, 4, placement=p22(), sbp=S(0)),
+    "split-dim-out-of-range": lambda: gt.randn(4, 4, placement=p4(), sbp=S(2)),
+    "split-of-0-dim": lambda: gt.randn(placement=p4(), sbp=S(0)),
+    # global tensors
+    "to-global-not-tensor": lambda: gt.to_global([1.0, 2.0], placement=p4(), sbp=B),
+    "to-global-needs-placement-and-sbp": lambda: torch.ones(2).to_global(placement=p4()),
+    "to-global-placement-type": lambda: torch.ones(2).to_global(placement="cpu", sbp=B),
+    "to-global-sbp-for-new-ndim": lambda: x84().to_global(placement=p22()),
+    "to-global-device": lambda: torch.ones(2).to_global(placement=gt.placement("cuda", [0, 1, 2, 3]), sbp=B),
+    "to-global-piece-shape": lambda: gt.to_global(torch.ones(3, 2), placement=p4(), sbp=S(0), shape=(8, 2)),
+    "to-local-rank": lambda: x84().to_local(rank=5),
+    "distribute-not-plain": lambda: gt.distribute(x84(), p4(), B),
+    "stale-world": _stale_world,
+    # ops
+    "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
+    "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
+    "torch-op-error": lambda: x84() @ x84(),
+    # factories and random numbers
+    "factory-size": lambda: gt.zeros(-1, 4, placement=p4(), sbp=B),
+    "factory-placement": lambda: gt.ones(4, placement="cpu", sbp=B),
+    "factory-sbp-required": lambda: gt.zeros(4, placement=p4()),
+    "factory-dtype": lambda: gt.zeros(4, placement=p4(), sbp=B, dtype="float32"),
+    "random-not-floating": lambda: gt.randn(4, placement=p4(), sbp=B, dtype=torch.int64),
+    "arange-step": lambda: gt.arange(0, 10, -1, placement=p4(), sbp=B),
+    "manual-seed": lambda: gt.manual_seed(1.5),
+    # rules
+    "rule-op": lambda: gt.register_rule("aten.relu", ["S(0) -> S(0)"]),
+    "rule-candidates": lambda: gt.register_rule(relu, "S(0) -> S(0)"),
+    "rule-candidate-unreadable": lambda: gt.register_rule(relu, ["S(0) -> X"]),
+    "rule-candidate-no-arrow": lambda: gt.register_rule(relu, ["S(0)"]),
+    "rule-function": lambda: gt.register_rule(relu, ["S(0) -> S(0)"], local="rows"),
+    # modules and optimizers
+    "plan-type": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), "colwise"),
+    "plan-entry": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), [("weight", S(0), "extra")]),
+    "plan-pattern": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {0: S(0)}),
+    "plan-sbp": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"weight": "colwise"}),
+    "plan-partial": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"weight": P}),
+    "plan-unused": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"*.qkv.weight": S(0)}),
+    "plan-tied": _tied,
+    "distribute-module-placement": lambda: gnn.distribute_module(nn.Linear(4, 4), "cpu", {}),
+    "distribute-module-module": lambda: gnn.distribute_module(lambda x: x, p4(), {}),
+    "plan-axis": lambda: gnn.on_axis(S(0), axis=2, ndim=2),
+    "plan-ndim": lambda: gnn.on_axis(S(0), axis=0, ndim=0),
+    "layer-plan-pattern": lambda: gnn.layer_plan(3, gnn.COLUMN_PARALLEL),
+    "zero-optimizer-class": lambda: gnn.ZeroOptimizer([], "adam"),
+    "zero-plain-parameter": lambda: gnn.ZeroOptimizer(nn.Linear(4, 4).parameters(), torch.optim.SGD, lr=0.1),
+    "zero-axis": lambda: gnn.ZeroOptimizer(gnn.distribute_module(nn.Linear(4, 4), p4(), {"*": B}).parameters(),
+                                           torch.optim.SGD, axis=1, lr=0.1),
+    "zero-partial-parameter": lambda: gnn.ZeroOptimizer([nn.Parameter(gt.zeros(4, placement=p4(), sbp=P))],
+                                                        torch.optim.SGD, lr=0.1),
+    "zero-plain-gradient": _zero_plain_grad,
+    # inspection
+    "boxing-plan-tensor": lambda: gt.boxing_plan(torch.ones(2), sbp=B),
+    "boxing-plan-placement": lambda: gt.boxing_plan(x84(), placement="cpu"),
+    "visualize-tensor": lambda: gt.visualize(torch.ones(2)),
+    "visualize-ndim": lambda: gt.visualize(gt.randn(2, 2, 2, placement=p4(), sbp=S(0))),
+    # traced mode
+    "compile-function": lambda: gt.compile(3),
+    "compile-micro-batches": lambda: gt.compile(lambda x: x, micro_batches=0),
+    "compile-registers": lambda: gt.compile(lambda x: x, registers=0),
+    "compile-warmup": lambda: gt.compile(lambda x: x, warmup=-1),
+    "compile-streams": lambda: gt.compile(lambda x: x, streams="fast"),
+    "compile-argument": lambda: gt.compile(lambda x, y: x)(x84(), {"a": [1]}.keys()),
+    "compile-bucket-bytes": lambda: gt.compile(lambda x: x, bucket_bytes=-1),
+    "compile-nothing-captured": lambda: gt.compile(lambda x: x).plan,
+    "compile-register-count": lambda: _compiled(lambda x: x * 2, x84(), registers=lambda task: 0),
+    "compile-stream-name": lambda: _compiled(lambda x: x * 2, x84(), streams=lambda task: ""),
+    "compile-micro-batch-shape": lambda: _compiled(lambda x: x.sum(), gt.randn(6, 4, placement=p4(), sbp=B),
+                                                   micro_batches=4),
+    "compile-micro-batch-pieces": lambda: _compiled(lambda x: x.sum(), gt.randn(6, 4, placement=p4(), sbp=S(0)),
+                                                    micro_batches=2),
+    "compile-micro-batches-without-backward": lambda: _compiled(lambda x: x * 2, gt.randn(8, 4, placement=p4(),
+                                                                                            sbp=S(0)),
+                                                                micro_batches=2),
+    "capture-host-read": lambda: _compiled(lambda x: x * x.sum().item(), x84()),
+    "capture-data-dependent": lambda: _compiled(lambda x: torch.nonzero(x.to_global(sbp=B)), x84()),
+    "graph-error": _graph_error,
+    # worlds, timeouts, the consistency check
+    "simulate-n": lambda: gt.simulate(0),
+    "set-timeout": lambda: gt.set_timeout(0),
+    "timeout-environment": _env_timeout,
+    "process-world-environment": _process_world_env,
+    "set-check": lambda: gt.set_check("yes"),
+    "check-replicas": _check_replicas,
+    "check-piece-shape": _check_piece_shape,
+    # the launcher's command line
+    "launch-number": lambda: _launch("--nproc-per-node", "0", "train.py"),
+    "launch-script": lambda: _launch("--nproc-per-node", "2", "no_such_script.py"),
+}
