@@ -80,12 +80,18 @@ def create_write_items(t, fqn: str, box) -> list:
 
 def _load_targets(t) -> list:
     """``(offsets, piece)`` of the pieces a load fills, in a fixed order: every held piece (replicas
-    included: each is filled), on partial axes only the first rank's."""
+    included: each is filled), on partial axes only the first rank's. Empty pieces are left out
+    (unless the whole tensor is empty): an empty piece can start where a rank's full piece starts
+    (2 rows split twice: rank 1's empty piece and rank 2's row both start at row 1), and DCP finds
+    pieces by their offsets."""
     layout = t._layout
     partial_axes = [a for a, v in enumerate(layout.nd_sbp) if v.is_partial]
+    keep_empty = numel(layout.shape) == 0
     out = []
     for rank in sorted(t._pieces):
         coord = layout.placement.coord(rank)
+        if t._pieces[rank].numel() == 0 and not keep_empty:
+            continue
         if all(coord[a] == 0 for a in partial_axes):
             out.append((_offsets(layout, rank), t._pieces[rank]))
     return out

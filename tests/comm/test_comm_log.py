@@ -31,14 +31,15 @@ def test_info_logs_each_boxing(p1, log_level, caplog):
     assert profile_context.on
     x = gt.randn(8, 6, placement=p1, sbp=S(1))
     w = gt.randn(6, 4, placement=p1, sbp=S(1))
+    gather_plan = gt.boxing_plan(x, sbp=B)          # the cheapest: gathering x keeps the output split
     y = x @ w
     y.to_global(sbp=B)
-    mm_plan, reduce_plan = gt.boxing_plan(w, sbp=S(0)), gt.boxing_plan(y, sbp=B)
+    out_plan = gt.boxing_plan(y, sbp=B)
     assert _messages(caplog, "globaltensor.boxing") == [
-        f"aten.mm: 6x4 float32 S(1) -> S(0) on cpu[0,1,2,3]: all_to_all [0,1,2,3] {mm_plan.bytes} B; "
-        f"{mm_plan.bytes} B in all (the most any one rank sends)",
-        f"to_global: 8x4 float32 P -> B on cpu[0,1,2,3]: all_reduce [0,1,2,3] {reduce_plan.bytes} B; "
-        f"{reduce_plan.bytes} B in all (the most any one rank sends)"]
+        f"aten.mm: 8x6 float32 S(1) -> B on cpu[0,1,2,3]: all_gather [0,1,2,3] {gather_plan.bytes} B; "
+        f"{gather_plan.bytes} B in all (the most any one rank sends)",
+        f"to_global: 8x4 float32 S(1) -> B on cpu[0,1,2,3]: all_gather [0,1,2,3] {out_plan.bytes} B; "
+        f"{out_plan.bytes} B in all (the most any one rank sends)"]
     assert _messages(caplog, "globaltensor.signature") == []     # debug only
     log_level("warning")
     assert not profile_context.on
@@ -56,9 +57,9 @@ def test_debug_logs_each_signature_choice(p1, log_level, caplog):
     x @ w                                           # the second call reuses the decision: not logged again
     choices = [m for m in _messages(caplog, "globaltensor.signature") if m.startswith("aten.mm(")]
     assert len(choices) == 1
-    plan = gt.boxing_plan(w, sbp=S(0))
+    plan = gt.boxing_plan(x, sbp=B)                 # gathering x: no partial output left to reduce
     assert choices[0].startswith(f"aten.mm(9x7 float32 S(1), 7x5 float32 S(1)) on cpu[0,1,2,3]: chose "
-                                 f"(S(1), S(0)) -> P, cost {plan.bytes} B (1 boxing step); others: ")
+                                 f"(B, S(1)) -> S(1), cost {plan.bytes} B (1 boxing step); others: ")
     others = choices[0].split("; others: ")[1].split(", (")
     costs = [int(o.rsplit(" ", 2)[-2]) for o in others]
     assert costs == sorted(costs) and min(costs) >= plan.bytes and len(others) == 5

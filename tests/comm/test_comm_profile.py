@@ -70,7 +70,7 @@ def test_rows_add_up_to_comm_stats_rank_by_rank(gpt_step, by):
         summed.update(row["bytes_per_rank"])
         assert row["bytes"] == max(row["bytes_per_rank"].values())
     assert dict(summed) == {r: b for r, b in st.per_rank.items()}
-    assert sum(row["calls"] for row in rows) == st.count == len(prof.events) > 20
+    assert sum(row["calls"] for row in rows) == st.count == len(prof.events) > 10      # a whole step's worth
     assert prof.bytes_sent == st.bytes_sent and dict(prof.per_rank) == dict(st.per_rank)
     assert Counter(e.collective for e in prof.events) == Counter(st.ops())
 
@@ -92,14 +92,12 @@ def test_modules_agree_with_torch_mod_tracker(gpt_step):
 def test_gpt_step_has_the_expected_causes(gpt_step):
     _, prof, _ = gpt_step
     by_op = {row["op"]: row for row in prof.rows(("op",))}
-    assert {"grad read", "to_global"} <= set(by_op)                 # AdamW's gradient reads; loss.item()
+    assert {"gradient bucket", "to_global"} <= set(by_op)           # the backward's buckets; loss.item()
     assert any(op.startswith("aten.") for op in by_op)
     boxings = [e for e in prof.events if e.op != "gradient bucket"]
     assert all(e.conversion is not None for e in boxings)           # every other collective comes from a boxing
     assert all(e.conversion is None and e.phase == "backward" for e in prof.events if e.op == "gradient bucket")
     assert all(e.op.startswith("aten.") for e in boxings if e.phase == "backward")
-    reads = [e for e in prof.events if e.op == "grad read"]
-    assert all(e.phase == "forward" and e.module == "Global" and e.conversion.src_sbp[0] == P for e in reads)
 
 
 def test_ops_conversions_and_bytes_of_known_boxings(p1):
