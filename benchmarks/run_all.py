@@ -23,6 +23,7 @@ from typing import Callable, List
 import _harness as H
 import actor_runtime
 import boxing
+import consistency_check
 import eager_overhead
 import hybrid_gpt
 import models
@@ -42,6 +43,8 @@ JOBS = {
     "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
     "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
     "rt_pp": ("pipeline, 2 processes", lambda q: H.spawn(actor_runtime._worker_pp, 2, q)),
+    "check": ("consistency check off and on, 2 processes",
+              lambda q: H.spawn(consistency_check._worker_procs, 2, q)),
     "models": ("HF Llama / GPT-2 and a BatchNorm CNN, bytes per step, 4 simulated ranks", models.measure),
 }
 
@@ -126,6 +129,13 @@ def model_rows(rows_in) -> list:
     return out
 
 
+def check_rows(res) -> list:
+    """What gt.set_check(True) costs per op (a cost to know, not a goal: the check is off by default)."""
+    return [[f"consistency check on, {r['op']} (2 procs)", f"{H.fmt(r['on'], 1e6, 1)} us",
+             f"off {H.fmt(r['off'], 1e6, 1)} us", f"{H.paired_ratio(r['on'], r['off']):.1f}x", "cost, no goal", "-"]
+            for r in res]
+
+
 MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step, eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
@@ -138,6 +148,7 @@ MEASURES = [
     Measure("dp", runtime_rows("dp")),
     Measure("rt_pp", runtime_rows("pp")),
     Measure("models", model_rows),
+    Measure("check", check_rows),
 ]
 
 
