@@ -55,6 +55,19 @@ def observe_creation(observer: Optional[Callable]) -> Optional[Callable]:
     return previous
 
 
+def _mirror_bits(t: torch.Tensor, piece: torch.Tensor) -> None:
+    """The wrapper carries its pieces' conjugate and negative bits (``x.conj()`` is a lazy view).
+
+    Kernels run on pieces inside ``__torch_dispatch__``, where torch excludes the Conjugate and
+    Negative keys: only the wrapper's bits make torch resolve them (before dispatching to the
+    subclass) for ops that do not read the bits themselves. A bit only the pieces had would be
+    silently dropped by the next op."""
+    if piece.is_conj():
+        torch._C._set_conj(t, True)
+    if piece.is_neg():
+        torch._C._set_neg(t, True)
+
+
 class GlobalTensor(torch.Tensor):
     _layout: Layout
     _pieces: dict
@@ -70,6 +83,8 @@ class GlobalTensor(torch.Tensor):
             strides=None if piece is None or piece.is_contiguous() else _strides_like(piece, layout.shape))
         t._layout = layout
         t._pieces = pieces
+        if piece is not None:
+            _mirror_bits(t, piece)
         if _on_create is not None:
             _on_create(t)
         return t
