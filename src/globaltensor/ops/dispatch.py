@@ -22,6 +22,7 @@ gather-to-broadcast fallback.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -54,6 +55,7 @@ class _Decomposing(threading.local):
 
 
 _decomposing = _Decomposing()
+decomposed_calls: Counter = Counter()   # calls per op that ran as its decomposition (the coverage table reads it)
 
 
 def _recording():
@@ -281,6 +283,7 @@ def _run_decomposition(func, decomposed, args, kwargs):
         active = _decomposing.ops = set()
     if func in active:
         return run_fallback(func, *tree_flatten((args, kwargs)))
+    decomposed_calls[func] += 1
     recorded = int(_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
                                            for v in tree_flatten((args, kwargs))[0]))
     active.add(func)

@@ -1,11 +1,13 @@
 """The fallback for ops without a rule: gather every input to broadcast, run on each replica.
 
 Correct for any op (data-dependent output shapes included) at the price of the gathers;
-warns once per op so the missing rule is visible.
+warns once per op so the missing rule is visible. ``taken`` counts the calls per op, so a
+caller (the conformance suite) can tell whether a computation went through it.
 """
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -18,6 +20,7 @@ from .registry import find_rule
 from .viewwrite import fallback_view, propagate
 
 _warned: set = set()
+taken: Counter = Counter()
 
 
 def _warn_once(func) -> None:
@@ -32,6 +35,7 @@ def _warn_once(func) -> None:
 
 
 def run_fallback(func, flat, spec):
+    taken[func] += 1
     _warn_once(func)
     placement = next(v.placement for v in flat if isinstance(v, GlobalTensor))
     b = (broadcast,) * placement.ndim

@@ -126,7 +126,7 @@ register_rule([aten.index_put, aten.index_put_, aten._index_put_impl_], _index_p
 def _index_select(x, dim, index, **kwargs):
     dim = norm_dim(dim, x.dim())
     cands = [sig([S(d), B], [S(d)]) for d in range(x.dim()) if d != dim]
-    if index.dim() == 1:
+    if index.dim() == 1 and x.dim() > 0:   # a 0-dim input takes exactly one index: no piece may be empty
         cands.append(sig([B, S(0)], [S(dim)]))
     return cands + [sig([P, B], [P])]
 
