@@ -38,6 +38,7 @@ this suite hunts for (a dropped conjugation, a constant added on every rank) are
 from __future__ import annotations
 
 import itertools
+import os
 import traceback
 import random
 import warnings
@@ -92,6 +93,7 @@ class Outcome:
     decomposed: tuple = ()        # the aten ops that ran as their decomposition
     layouts: list = field(default_factory=list)
     trace: str = ""                # the traceback of a raising case
+    library_error: bool = False    # raised by globaltensor's code (not by torch above its dispatch)
 
 
 def _args(sample) -> tuple:
@@ -333,6 +335,7 @@ def run_case(op, sample, recipe: str, seed: int, backward: bool = True) -> Outco
                 problem = _mismatch(got_grads, want_grads, "gradient", False)
         except Exception as e:                  # noqa: BLE001 -- classified, not hidden
             outcome.trace = traceback.format_exc()
+            outcome.library_error = _raised_in_library(e)
             outcome.cls, outcome.detail = "raises", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             problem = ""
         if problem:
@@ -343,6 +346,22 @@ def run_case(op, sample, recipe: str, seed: int, backward: bool = True) -> Outco
             outcome.cls = "fallback"
             outcome.detail = "via the gather fallback: " + ", ".join(outcome.fell_back)
     return outcome
+
+
+CLEAR_ERRORS = (ValueError, TypeError, NotImplementedError)
+
+
+def _raised_in_library(e: BaseException) -> bool:
+    """Whether the innermost globaltensor frame is where the exception was raised."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and f"{os.sep}globaltensor{os.sep}" in frames[-1].filename
+
+
+def unclear_errors(outcomes) -> list:
+    """The raising cases where globaltensor raised something other than a clear error (a
+    ValueError / TypeError / NotImplementedError naming the op): a bug of the library."""
+    return [(i, recipe, o) for i, recipe, o in outcomes
+            if o.cls == "raises" and o.library_error and not o.detail.startswith(tuple(c.__name__ + ":" for c in CLEAR_ERRORS))]
 
 
 # -- the plan: which samples and recipes run for each op --------------------------------------

@@ -11,7 +11,9 @@ exactly to the value), nd (opinfo_run.plan). Forward, and backward where the OpI
 autograd; every seed derives from the op's name, so a run is reproducible.
 
 An op's class is its worst case's: clean < fallback (some aten op gathered to broadcast) <
-raises < wrong. The test fails on any wrong answer, on an op worse than expected.json says,
+raises < wrong. The test fails on any wrong answer, on an error globaltensor raises that is not
+a ValueError / TypeError / NotImplementedError with a message (torch's own errors above the
+dispatcher, e.g. a kernel reading a global index tensor's data, are listed with their reason), on an op worse than expected.json says,
 and on an op better than it says (so the lists shrink); regenerate them with
 ``PYTHONPATH=src python tools/op_coverage.py --update-expected``. A failure names the op, the
 sample index and the layouts of its tensor arguments.
@@ -43,6 +45,8 @@ def test_opinfo_op_matches_one_device(op):
     outcomes = run.classify_op(op)
     assert not any(o.cls == "wrong" for _, _, o in outcomes), \
         f"{name} gives a wrong answer:\n{_cases(outcomes, ('wrong',))}"
+    unclear = run.unclear_errors(outcomes)
+    assert not unclear, f"{name}: globaltensor raised an unclear error:\n{_cases(unclear, ('raises',))}"
     got, want = run.worst(outcomes), expectations.expected_class(LISTED, name)
     order = run.CLASSES.index
     assert order(got) <= order(want), \

@@ -37,6 +37,7 @@ def _spd(*batch, n=3):
     lambda a: torch.linalg.eigvalsh(a), lambda a: torch.linalg.qr(a), lambda a: torch.linalg.svdvals(a),
     lambda a: torch.linalg.lu_factor(a), lambda a: torch.linalg.det(a), lambda a: torch.cholesky_inverse(a),
     lambda a: torch.linalg.solve_triangular(torch.linalg.cholesky(a), a, upper=False),
+    lambda a: torch.linalg.solve(a, a[..., 0]), lambda a: torch.linalg.solve(a, a.transpose(-1, -2)),
 ])
 def test_batched_linear_algebra_keeps_batch_splits(fn):
     a = _spd(5, 2)

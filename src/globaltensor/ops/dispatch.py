@@ -34,7 +34,7 @@ from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
 from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
 from .boxed_copy import copy_layout
-from .fallback import run_fallback
+from .fallback import reject_other_layouts, run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
 from .inplace_view import is_inplace_view, run_inplace_view
@@ -167,6 +167,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     if positions is None:
         return _flat(lambda f, s: run_fallback(func, f, s))
     tensors = [get(args, kwargs, p) for p in positions]
+    reject_other_layouts(func, tensors)
     meta_args, meta_kwargs = Substitution(positions)(args, kwargs, [_meta(t) for t in tensors])
     try:
         meta_out = output_meta(func, meta_args, meta_kwargs)

@@ -34,8 +34,19 @@ def _warn_once(func) -> None:
                       f"and it runs on every replica ({hint})", stacklevel=4)
 
 
+def reject_other_layouts(func, values, what: str = "input") -> None:
+    """A global tensor's pieces are strided: a sparse (or other non-strided) tensor meeting global
+    tensors, or coming out of an op on their pieces, raises naming the op."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.layout != torch.strided:
+            hint = "convert it with .to_dense() first" if what == "input" else "keep such results local"
+            raise TypeError(f"globaltensor: {func}: a {v.layout} tensor {what}; global tensors hold strided "
+                            f"pieces only (sparse and other layouts are not supported): {hint}")
+
+
 def run_fallback(func, flat, spec):
     taken[func] += 1
+    reject_other_layouts(func, flat)
     _warn_once(func)
     placement = next(v.placement for v in flat if isinstance(v, GlobalTensor))
     b = (broadcast,) * placement.ndim
@@ -56,6 +67,7 @@ def run_fallback(func, flat, spec):
         raise RuntimeError(f"{func}: this process holds no rank of {placement}, so it cannot run the op "
                            f"(it has no rule; ranks outside a placement skip only ops with rules)")
     out_flat, out_spec = per_rank[ranks[0]]
+    reject_other_layouts(func, out_flat, "as its result")
     result = []
     for j, v in enumerate(out_flat):
         if isinstance(v, torch.Tensor):

@@ -45,30 +45,45 @@ CORES = {
 }
 
 
-def _batched(op, in_cores: tuple, out_cores: tuple):
+def _solve_cores(A, B, *rest, **kwargs) -> tuple:
+    """``linalg.solve``'s B is a batch of vectors where torch says so, else of matrices."""
+    vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and tuple(B.shape) == tuple(A.shape[:-1]))
+    return (2, 1 if vector else 2), (1 if vector else 2, 2, 1, 0)
+
+
+def _batched(op, in_cores, out_cores=None):
+    """The rule of ``op`` whose tensors have these core dims (``in_cores`` may be a function of the
+    op's arguments giving both)."""
     def rule(*args, **kwargs):
-        ts = tensors_of(*args, **kwargs)
-        result = op(*args, **kwargs)
-        outs = [result] if out_cores and not isinstance(result, (tuple, list)) else list(result or ())
-        if not outs:                                  # no output (a check): the batch of the inputs
-            batch = tuple(ts[0].shape[:ts[0].dim() - in_cores[0]])
-        else:
-            batch = tuple(outs[0].shape[:outs[0].dim() - out_cores[0]])
-        b = len(batch)
-        if len(outs) != len(out_cores) or any(o.dim() != b + c or tuple(o.shape[:b]) != batch
-                                              for o, c in zip(outs, out_cores)):
-            return []
-        cores = list(in_cores[:len(ts)]) + [0] * (len(ts) - len(in_cores))
-        cands = []
-        for q in range(b):
-            ins = []
-            for t, c in zip(ts, cores):
-                k = q - (b - (t.dim() - c))
-                ins.append(S(k) if k >= 0 and (t.shape[k] == batch[q]) else B)
-            cands.append(sig(ins, [S(q)] * len(outs)))
-        return cands
+        ins, outs_cores = in_cores(*args, **kwargs) if callable(in_cores) else (in_cores, out_cores)
+        return _batch_candidates(op, ins, outs_cores, args, kwargs)
     return rule
+
+
+def _batch_candidates(op, in_cores: tuple, out_cores: tuple, args, kwargs) -> list:
+    """``S(q)`` of every batch dim q, each input split where it has that batch dim, else B."""
+    ts = tensors_of(*args, **kwargs)
+    result = op(*args, **kwargs)
+    outs = [result] if out_cores and not isinstance(result, (tuple, list)) else list(result or ())
+    if not outs:                                  # no output (a check): the batch of the inputs
+        batch = tuple(ts[0].shape[:ts[0].dim() - in_cores[0]])
+    else:
+        batch = tuple(outs[0].shape[:outs[0].dim() - out_cores[0]])
+    b = len(batch)
+    if len(outs) != len(out_cores) or any(o.dim() != b + c or tuple(o.shape[:b]) != batch
+                                          for o, c in zip(outs, out_cores)):
+        return []
+    cores = list(in_cores[:len(ts)]) + [0] * (len(ts) - len(in_cores))
+    cands = []
+    for q in range(b):
+        ins = []
+        for t, c in zip(ts, cores):
+            k = q - (b - (t.dim() - c))
+            ins.append(S(k) if k >= 0 and (t.shape[k] == batch[q]) else B)
+        cands.append(sig(ins, [S(q)] * len(outs)))
+    return cands
 
 
 for _op, (_ins, _outs) in CORES.items():
     register_rule(_op, _batched(_op, _ins, _outs))
+register_rule(aten._linalg_solve_ex.default, _batched(aten._linalg_solve_ex.default, _solve_cores))
