@@ -203,7 +203,10 @@ def box(t: GlobalTensor, target: Layout) -> GlobalTensor:
     """Run the boxing from ``t``'s layout to ``target`` (no autograd)."""
     if t._layout == target:
         return GlobalTensor(target, dict(t._pieces))
-    pieces = execute(plan_boxing(t._layout, target), t._pieces, get_world())
+    pieces = t._pieces
+    if t.is_conj() or t.is_neg():   # collectives and slicing copies read the raw data: resolve the bits first
+        pieces = {r: p.resolve_conj().resolve_neg() for r, p in pieces.items()}
+    pieces = execute(plan_boxing(t._layout, target), pieces, get_world())
     return GlobalTensor(target, pieces)
 
 

@@ -26,6 +26,8 @@ FUNCS = {
     "hfftn": lambda z: torch.fft.hfftn(z),
     "hfft2": lambda z: torch.fft.hfft2(z),
     "view_as_complex": lambda z: torch.view_as_complex(torch.view_as_real(z) * 2),
+    "conj_cat": lambda z: torch.cat([torch.conj(z), z], 0),
+    "ihfft": lambda z: torch.fft.ihfft(z.real),
 }
 
 
@@ -69,6 +71,25 @@ def test_math_bit_ops_keep_every_split_and_partial_without_fallback():
         for op in (aten._conj.default, aten._neg_view.default, aten._conj_physical.default):
             assert check_all(op, z) >= 3
         assert check_all(aten.view_as_complex.default, torch.randn(6, 5, 2, dtype=torch.float64)) >= 3
+
+
+def test_boxing_a_conjugate_view_keeps_the_conjugation():
+    z = torch.randn(6, 3, dtype=torch.complex128)
+    with gt.simulate(4):
+        c = torch.conj(gt.distribute(z, gt.placement("cpu", [0, 1, 2, 3]), S(0)))
+        torch.testing.assert_close(c.to_global(sbp=B).to_local(), z.conj())
+        torch.testing.assert_close(torch._neg_view(c).to_global(sbp=S(1)).full_tensor(), -z.conj())
+
+
+def test_ihfft_gradient_on_split_input():
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 3, dtype=torch.complex128)
+    want, = torch.autograd.grad(torch.fft.ihfft(x), x, w)
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        g = gt.distribute(x.detach(), p, S(0)).requires_grad_()
+        got, = torch.autograd.grad(torch.fft.ihfft(g), g, gt.distribute(w, p, S(0)))
+        torch.testing.assert_close(got.full_tensor(), want)
 
 
 def test_hfftn_keeps_gradient_on_split_input():
