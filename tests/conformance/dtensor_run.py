@@ -9,6 +9,7 @@ the op), wrong. Forward and, where the OpInfo supports autograd, backward.
 """
 from __future__ import annotations
 
+import json
 import random
 import traceback
 
@@ -117,13 +118,18 @@ def _replicate():
     return Replicate()
 
 
-def classify_all(ops) -> dict:
-    """``{op id: class}``: each op's worst case (skipped cases do not count)."""
+def classify_all(ops, path=None) -> dict:
+    """``{op id: class}``: each op's worst case (skipped cases do not count); written to ``path``
+    (JSON) as it goes, so a long run can be followed and its finished part kept."""
     _init()
     out = {}
     for op in ops:
+        if path is not None and out:
+            path.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
         have = run.samples(op, run.SAMPLES_LOOKED_AT)
         classes = [run_case(op, have[i], recipe, seed) for i, recipe, seed in run.plan(op, have)]
         ranked = [run.CLASSES.index(c) for c in classes if c in run.CLASSES]
         out[run.op_id(op)] = run.CLASSES[max(ranked)] if ranked else "clean"
+    if path is not None:
+        path.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
     return out
