@@ -94,6 +94,9 @@ def render(results: dict, dtensor: dict | None) -> str:
     listed = expectations.load()
     lines += ["", "Ops that raise, and why (`tests/conformance/expected.json`):", ""]
     lines += [f"- `{x}`: {listed.get(x, ('', 'not listed'))[1]}" for x in sorted(k for k in kinds if kinds[k] == "raises")]
+    skipped = sorted({(name, o.detail) for name, cases in results.items() for _, _, o in cases if o.cls == "skip"})
+    lines += ["", "Cases skipped (for that sample only), and why:", ""]
+    lines += [f"- `{name}`: {why}" for name, why in skipped]
     lines += ["", "Ops through a decomposition: " + _examples([k for k in kinds if kinds[k] == "decomposition"], 40) + ".",
               "", END]
     return "\n".join(lines)

@@ -286,7 +286,7 @@ def _grads(out, inputs: list, weights: list):
     return torch.autograd.grad(outs, inputs, weights, allow_unused=True)
 
 
-def run_case(op, sample, recipe: str, seed: int, backward: bool = True) -> Outcome:
+def run_case(op, sample, recipe: str, seed: int) -> Outcome:
     """The outcome of ``op`` on ``sample`` with every tensor argument laid out by ``recipe``."""
     want, random_op, skip = _reference(op, sample)
     if skip is not None:
@@ -295,7 +295,7 @@ def run_case(op, sample, recipe: str, seed: int, backward: bool = True) -> Outco
     args, kwargs = _args(sample)
     flat, spec = tree_flatten((args, kwargs))
     plain = [_clone(v) for v in flat]
-    grad_wanted = backward and op.supports_autograd and not random_op
+    grad_wanted = op.supports_autograd and not random_op
     inputs = [v for v in plain if isinstance(v, torch.Tensor) and v.requires_grad]
     want_grads = None
     if grad_wanted:
