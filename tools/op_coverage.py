@@ -11,7 +11,8 @@ Beside it, the same cases through DTensor on 4 simulated ranks (``LocalTensorMod
 raises (no sharding strategy, mostly), wrong. The generated text goes between the markers
 in docs/ops.md; everything else in that file stays as it is. DTensor's classes do not change
 with this library, so they are kept in tools/dtensor_opinfo.json and rerun only on request
-(``--dtensor``, some minutes: DTensor plans every op afresh).
+(``--dtensor`` runs the ops missing from that file: delete it to rerun all; some tens of
+minutes, as DTensor plans every op afresh).
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def render(results: dict, dtensor: dict | None) -> str:
     if dtensor is not None:
         dcount = Counter(dtensor.values())
         lines += ["", "The same cases through DTensor (`torch.distributed.tensor`, 4 ranks in one process "
-                  "with `LocalTensorMode`; an op without a sharding strategy raises), beside globaltensor:", "",
+                  "with `LocalTensorMode`; an op without a sharding strategy raises, and so counts a case "
+                  "still running after 30 s), beside globaltensor:", "",
                   "| | globaltensor | DTensor |", "|---|---|---|"]
         ours = Counter("clean" if k in ("rule", "decomposition") else k for k in kinds.values())
         for k, label in (("clean", "clean"), ("fallback", "via the gather fallback"), ("raises", "raises"),

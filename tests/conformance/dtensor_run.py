@@ -5,12 +5,15 @@ process group and ``LocalTensorMode`` (each DTensor holds every rank's local ten
 map to DTensor placements: split -> ``Shard(d)`` (DTensor's pieces follow ``torch.chunk``),
 broadcast -> ``Replicate()``, partial -> ``Partial()`` with the value on the first rank of the
 axis and zeros elsewhere (exact). Classes: clean, raises (mostly: no sharding strategy for
-the op), wrong. Forward and, where the OpInfo supports autograd, backward.
+the op), wrong. Forward and, where the OpInfo supports autograd, backward. A case still
+running after ``TIME_LIMIT_S`` counts as raising: DTensor's strategy search through some
+decompositions (``batch_norm_backward``) runs for many minutes.
 """
 from __future__ import annotations
 
 import json
 import random
+import signal
 import traceback
 
 import torch
@@ -20,6 +23,15 @@ import opinfo_run as run
 
 _WORLD = 4
 TRACE = False   # print the traceback of each raising case (debugging)
+TIME_LIMIT_S = 30
+
+
+class _TimeLimit(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _TimeLimit(f"still running after {TIME_LIMIT_S} s")
 
 
 def _init():
@@ -84,6 +96,8 @@ def run_case(op, sample, recipe, seed) -> str:
             want_grads = run._grads(ref, inputs, run._grad_outputs(run._differentiable(ref), seed))
         except Exception:                       # noqa: BLE001 -- no reference backward: forward only
             want_grads = None
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(TIME_LIMIT_S)
     try:
         with LocalTensorMode(frozenset(range(_WORLD))):
             mesh = DeviceMesh("cpu", torch.arange(_WORLD).reshape(2, 2) if recipe == "nd" else torch.arange(_WORLD))
@@ -106,6 +120,9 @@ def run_case(op, sample, recipe, seed) -> str:
         if TRACE:
             traceback.print_exc()
         return "raises"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     if run._mismatch(got_plain, want, "output", random_op):
         return "wrong"
     if want_grads is not None and run._mismatch(grads, want_grads, "gradient", False):
@@ -120,10 +137,12 @@ def _replicate():
 
 def classify_all(ops, path=None) -> dict:
     """``{op id: class}``: each op's worst case (skipped cases do not count); written to ``path``
-    (JSON) as it goes, so a long run can be followed and its finished part kept."""
+    (JSON) as it goes; the ops already there are not run again (delete the file to rerun all)."""
     _init()
-    out = {}
+    out = json.loads(path.read_text()) if path is not None and path.exists() else {}
     for op in ops:
+        if run.op_id(op) in out:
+            continue
         if path is not None and out:
             path.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
         have = run.samples(op, run.SAMPLES_LOOKED_AT)
