@@ -77,11 +77,13 @@ def render(results: dict, dtensor: dict | None) -> str:
         lines.append(f"| {labels[k]} | {count.get(k, 0)} | {100 * count.get(k, 0) / n:.0f}% |")
     if dtensor is not None:
         dcount = Counter(dtensor.values())
+        shared = [x for x in kinds if x in dtensor]
+        scope = "" if len(shared) == n else f" ({len(shared)} of the {n} ops run through DTensor so far; both columns count those)"
         lines += ["", "The same cases through DTensor (`torch.distributed.tensor`, 4 ranks in one process "
                   "with `LocalTensorMode`; an op without a sharding strategy raises, and so counts a case "
-                  "still running after 30 s), beside globaltensor:", "",
+                  f"still running after 30 s), beside globaltensor{scope}:", "",
                   "| | globaltensor | DTensor |", "|---|---|---|"]
-        ours = Counter("clean" if k in ("rule", "decomposition") else k for k in kinds.values())
+        ours = Counter("clean" if kinds[x] in ("rule", "decomposition") else kinds[x] for x in shared)
         for k, label in (("clean", "clean"), ("fallback", "via the gather fallback"), ("raises", "raises"),
                          ("wrong", "**wrong answer**")):
             theirs = "—" if k == "fallback" else str(dcount.get(k, 0))
