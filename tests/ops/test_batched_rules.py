@@ -1,6 +1,7 @@
 """Rules found missing by the OpInfo conformance suite: FFTs (ops/rules/fft.py), batched linear
-algebra (linalg.py), roll, searchsorted, index_reduce -- each candidate forced in turn against
-one device -- and the ops that raised: resize_as_, index_select of a 0-dim input."""
+algebra (linalg.py), roll, searchsorted, index_reduce, replication padding's backward -- each
+candidate forced in turn against one device -- and the ops that raised: resize_as_,
+index_select of a 0-dim input."""
 import random
 
 import pytest
@@ -81,3 +82,9 @@ def test_index_select_of_a_0_dim_input_with_a_split_index(world4):
     p = gt.placement("cpu", [0, 1, 2, 3])
     got = torch.index_select(gt.distribute(x, p, B), 0, gt.distribute(idx, p, S(0)))
     assert torch.equal(got.full_tensor(), torch.index_select(x, 0, idx))
+
+
+def test_replication_pad_backward_keeps_leading_splits():
+    x = torch.randn(4, 3, 5, 6, dtype=torch.float64)
+    with no_fallback():
+        check_layouts(lambda t: torch.nn.functional.pad(t, (1, 2, 2, 1), mode="replicate"), x, trials=3, grad=True)
