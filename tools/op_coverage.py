@@ -90,7 +90,8 @@ def render(results: dict, dtensor: dict | None) -> str:
             lines.append(f"| {label} | {ours.get(k, 0)} | {theirs} |")
         both = [x for x in dtensor if dtensor[x] == "wrong"]
         if both:
-            lines += ["", "DTensor's wrong answers on these cases: " + _examples(both, 30) + "."]
+            lines += ["", "DTensor's wrong answers on these cases (values or gradients differing from one "
+                      "device as this harness measures them, not triaged one by one): " + _examples(both, 50) + "."]
     freq = Counter(f for cases in results.values() for f in {f for _, _, o in cases for f in o.fell_back})
     lines += ["", "Aten ops taken through the fallback, by the number of OpInfo ops that reach them:", "",
               "| aten op | OpInfo ops |", "|---|---|"]
