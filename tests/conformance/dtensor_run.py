@@ -89,11 +89,13 @@ def run_case(op, sample, recipe, seed) -> str:
     flat, spec = tree_flatten((args, kwargs))
     plain = [run._clone(v) for v in flat]
     inputs = [v for v in plain if isinstance(v, torch.Tensor) and v.requires_grad]
-    want_grads = None
+    want_grads = weights_plain = None
     if op.supports_autograd and not random_op:
         try:
             ref = run._call(op, *tree_unflatten(plain, spec))
-            want_grads = run._grads(ref, inputs, run._grad_outputs(run._differentiable(ref), seed))
+            # made here, outside LocalTensorMode, where a factory would draw per rank
+            weights_plain = run._grad_outputs(run._differentiable(ref), seed)
+            want_grads = run._grads(ref, inputs, weights_plain)
         except Exception:                       # noqa: BLE001 -- no reference backward: forward only
             want_grads = None
     previous = signal.signal(signal.SIGALRM, _alarm)
@@ -113,7 +115,7 @@ def run_case(op, sample, recipe, seed) -> str:
                 d_inputs = [d for d, v in zip(dargs, flat) if isinstance(v, torch.Tensor) and v.requires_grad]
                 weights = [distribute_tensor(w, o.device_mesh, [p if not p.is_partial() else _replicate()
                                                                  for p in o.placements])
-                           if isinstance(o, DTensor) else w for w, o in zip(run._grad_outputs(outs, seed), outs)]
+                           if isinstance(o, DTensor) else w for w, o in zip(weights_plain, outs)]
                 grads = tree_map(_plain, torch.autograd.grad(outs, d_inputs, weights, allow_unused=True)) \
                     if outs else None
     except Exception:                           # noqa: BLE001 -- classified
