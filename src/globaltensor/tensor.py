@@ -66,9 +66,24 @@ def wrap_result(layout, pieces: dict, device, piece) -> "GlobalTensor":
                       strides=None if piece.is_contiguous() else _strides_like(piece, layout.shape))
     t._layout = layout
     t._pieces = pieces
+    if piece.is_conj() or piece.is_neg():
+        _mirror_bits(t, piece)
     if _on_create is not None:
         _on_create(t)
     return t
+
+
+def _mirror_bits(t: torch.Tensor, piece: torch.Tensor) -> None:
+    """The wrapper carries its pieces' conjugate and negative bits (``x.conj()`` is a lazy view).
+
+    Kernels run on pieces inside ``__torch_dispatch__``, where torch excludes the Conjugate and
+    Negative keys: only the wrapper's bits make torch resolve them (before dispatching to the
+    subclass) for ops that do not read the bits themselves. A bit only the pieces had would be
+    silently dropped by the next op."""
+    if piece.is_conj():
+        torch._C._set_conj(t, True)
+    if piece.is_neg():
+        torch._C._set_neg(t, True)
 
 
 class GlobalTensor(torch.Tensor):
@@ -93,6 +108,8 @@ class GlobalTensor(torch.Tensor):
             strides=None if piece is None or piece.is_contiguous() else _strides_like(piece, layout.shape))
         t._layout = layout
         t._pieces = pieces
+        if piece is not None:
+            _mirror_bits(t, piece)
         if _on_create is not None:
             _on_create(t)
         return t
@@ -239,7 +256,10 @@ def box(t: GlobalTensor, target: Layout) -> GlobalTensor:
     """Run the boxing from ``t``'s layout to ``target`` (no autograd)."""
     if t._layout == target:
         return GlobalTensor(target, dict(t._pieces))
-    pieces = execute(plan_boxing(t._layout, target), t._pieces, get_world())
+    pieces = t._pieces
+    if t.is_conj() or t.is_neg():   # collectives and slicing copies read the raw data: resolve the bits first
+        pieces = {r: p.resolve_conj().resolve_neg() for r, p in pieces.items()}
+    pieces = execute(plan_boxing(t._layout, target), pieces, get_world())
     return GlobalTensor(target, pieces)
 
 

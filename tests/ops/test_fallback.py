@@ -23,14 +23,13 @@ OPS = {
     "histc": (lambda x: torch.histc(x, bins=5), aten.histc.default),
     "bincount": (lambda x: torch.bincount((x.abs() * 3).long().flatten()), aten.bincount.default),
     "tril": (lambda x: torch.tril(x, 1), None),
-    "fft": (lambda x: torch.fft.fft(x, dim=0), aten._fft_r2c.default),
-    "qr": (lambda x: torch.linalg.qr(x), aten.linalg_qr.default),
+    "median": (lambda x: torch.median(x), aten.median.default),
+    "put": (lambda x: x.put(torch.tensor([0, 7]), torch.tensor([1.5, -2.0])), aten.put.default),
     "mask": (lambda x: x[x > 0], aten.index.Tensor),
     "unique": (lambda x: torch.unique((x * 2).round(), return_counts=True), aten._unique2.default),
     "nonzero": (lambda x: torch.nonzero(x > 0.5), aten.nonzero.default),
     "flip": (lambda x: torch.flip(x, [0]), None),
     "roll": (lambda x: torch.roll(x, 2, 0), None),
-    "searchsorted": (lambda x: torch.searchsorted(SORTED, x[:6, :3].contiguous()), aten.searchsorted.Tensor),
 }
 
 

@@ -22,6 +22,7 @@ gather-to-broadcast fallback.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
@@ -37,7 +38,7 @@ from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
 from .boxed_copy import copy_layout
 from .consistency import confirm_op
-from .fallback import run_fallback
+from .fallback import reject_other_layouts, run_fallback
 from .foreach import run_foreach
 from .inplace import returned_inputs, write_back, written_objects
 from .inplace_view import is_inplace_view, run_inplace_view
@@ -61,6 +62,7 @@ class _Decomposing(threading.local):
 
 
 _decomposing = _Decomposing()
+decomposed_calls: Counter = Counter()   # calls per op that ran as its decomposition (the coverage table reads it)
 
 
 def _recording():
@@ -196,6 +198,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     if positions is None:
         return _flat(lambda f, s: run_fallback(func, f, s))
     tensors = [get(args, kwargs, p) for p in positions]
+    reject_other_layouts(func, tensors)
     meta_args, meta_kwargs = Substitution(positions)(args, kwargs, [_meta(t) for t in tensors])
     try:
         meta_out = output_meta(func, meta_args, meta_kwargs)
@@ -318,6 +321,7 @@ def _run_decomposition(func, decomposed, args, kwargs):
         active = _decomposing.ops = set()
     if func in active:
         return run_fallback(func, *tree_flatten((args, kwargs)))
+    decomposed_calls[func] += 1
     recorded = int(_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
                                            for v in tree_flatten((args, kwargs))[0]))
     active.add(func)

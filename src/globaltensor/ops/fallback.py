@@ -1,11 +1,13 @@
 """The fallback for ops without a rule: gather every input to broadcast, run on each replica.
 
 Correct for any op (data-dependent output shapes included) at the price of the gathers;
-warns once per op so the missing rule is visible.
+warns once per op so the missing rule is visible. ``taken`` counts the calls per op, so a
+caller (the conformance suite) can tell whether a computation went through it.
 """
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -18,6 +20,7 @@ from .registry import find_rule
 from .viewwrite import fallback_view, propagate
 
 _warned: set = set()
+taken: Counter = Counter()
 
 
 def _warn_once(func) -> None:
@@ -31,7 +34,19 @@ def _warn_once(func) -> None:
                       f"and it runs on every replica ({hint})", stacklevel=4)
 
 
+def reject_other_layouts(func, values, what: str = "input") -> None:
+    """A global tensor's pieces are strided: a sparse (or other non-strided) tensor meeting global
+    tensors, or coming out of an op on their pieces, raises naming the op."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.layout != torch.strided:
+            hint = "convert it with .to_dense() first" if what == "input" else "keep such results local"
+            raise TypeError(f"globaltensor: {func}: a {v.layout} tensor {what}; global tensors hold strided "
+                            f"pieces only (sparse and other layouts are not supported): {hint}")
+
+
 def run_fallback(func, flat, spec):
+    taken[func] += 1
+    reject_other_layouts(func, flat)
     placement = next(v.placement for v in flat if isinstance(v, GlobalTensor))
     b = (broadcast,) * placement.ndim
     gathered = list(flat)
@@ -52,6 +67,7 @@ def run_fallback(func, flat, spec):
                            f"(it has no rule; ranks outside a placement skip only ops with rules)")
     _warn_once(func)       # after the op ran: an op invalid for its shapes raises torch's error, unwarned
     out_flat, out_spec = per_rank[ranks[0]]
+    reject_other_layouts(func, out_flat, "as its result")
     result = []
     for j, v in enumerate(out_flat):
         if isinstance(v, torch.Tensor):

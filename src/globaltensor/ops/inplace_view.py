@@ -10,7 +10,9 @@ does not, e.g. a split of a dim ``squeeze_`` removes, is boxed first). The tenso
 the result's layout and pieces -- views of its own pieces under the op -- and the wrapper's
 own sizes and strides are set by running the op on the wrapper alone, with dispatch disabled
 and on meta (as torch's ``return_and_correct_aliasing`` does). The object stays the same:
-``x.transpose_(0, 1) is x``, and autograd records the op on it. ``as_strided`` has no rule:
+``x.transpose_(0, 1) is x``, and autograd records the op on it. ``resize_`` / ``resize_as_`` keep
+the elements: to the tensor's own shape, or (contiguous) to another of as many elements, as a
+view; growing or shrinking raises. ``as_strided`` has no rule:
 ``as_strided_`` gathers the tensor through the fallback (with its warning) and leaves it
 broadcast.
 
@@ -20,6 +22,7 @@ and the other one must keep its shape.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -40,7 +43,7 @@ def run_inplace_view(func, args, kwargs):
     """Run a metadata in-place op on the global tensor it changes; returns that tensor."""
     x = _changed(func, args, kwargs)
     # bad arguments get torch's own error here, before anything has changed
-    func(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), *args[1:], **kwargs)
+    func(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), *map(_meta, args[1:]), **kwargs)
     op, rest, kw = _out_of_place(func, x, args[1:], kwargs)
     y = op(x, *rest, **kw)
     _set_wrapper_meta(func, args, kwargs)
@@ -64,7 +67,25 @@ def _out_of_place(func, x, rest, kwargs):
     have to box such a split."""
     if func is aten.squeeze_.default:
         return aten.squeeze.dims, ([d for d in range(x.dim()) if x.shape[d] == 1],), kwargs
+    if func in (aten.resize_.default, aten.resize_as_.default):
+        return _resize(func, x, tuple(rest[0].shape if func is aten.resize_as_.default else rest[0]))
     return _functional(func), rest, kwargs
+
+
+def _meta(v):
+    return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, GlobalTensor) else v
+
+
+def _resize(func, x, size: tuple):
+    """``resize_`` / ``resize_as_`` keeping the elements: the same shape (an alias), or a
+    contiguous tensor viewed as another shape of as many elements (its storage order)."""
+    if size == tuple(x.shape):
+        return aten.alias.default, (), {}
+    if x.is_contiguous() and math.prod(size) == x.numel():
+        return aten.view.default, (list(size),), {}
+    raise NotImplementedError(f"{func}: a global tensor of shape {tuple(x.shape)} cannot be resized to {size}: "
+                              f"only to its own shape or, when contiguous, to another of as many elements "
+                              f"(new elements would be uninitialised memory); make a new global tensor instead")
 
 
 @lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
 """Indexing: advanced indexing (``x[idx]``, ``x[:, idx]``), index_select, gather, scatter,
-index_put / index_add / index_copy / index_fill.
+index_put / index_add / index_copy / index_fill / index_reduce.
 
 A split of a dim that is *not* indexed survives: each rank indexes its own piece with the
 whole (broadcast) index. A split of the index itself splits the result along the dims the
@@ -126,7 +126,7 @@ register_rule([aten.index_put, aten.index_put_, aten._index_put_impl_], _index_p
 def _index_select(x, dim, index, **kwargs):
     dim = norm_dim(dim, x.dim())
     cands = [sig([S(d), B], [S(d)]) for d in range(x.dim()) if d != dim]
-    if index.dim() == 1:
+    if index.dim() == 1 and x.dim() > 0:   # a 0-dim input takes exactly one index: no piece may be empty
         cands.append(sig([B, S(0)], [S(dim)]))
     return cands + [sig([P, B], [P])]
 
@@ -210,7 +210,8 @@ def _index_into(op, adds: bool):
 
 for _op in (aten.index_add.default, aten.index_add_.default):
     register_rule(_op, _index_into(_op, adds=True))
-for _packet in (aten.index_copy, aten.index_copy_, aten.index_fill, aten.index_fill_):
+for _packet in (aten.index_copy, aten.index_copy_, aten.index_fill, aten.index_fill_, aten.index_reduce,
+                aten.index_reduce_):
     for _name in _packet.overloads():
         if not _name.endswith("out") and "imname" not in _name:
             register_rule(getattr(_packet, _name), _index_into(getattr(_packet, _name), adds=False))

@@ -41,7 +41,8 @@ _LINEAR = {
     # activation gradients are linear in the incoming gradient
     "threshold_backward": [("grad_output",)], "gelu_backward": [("grad_output",)],
     "silu_backward": [("grad_output",)], "tanh_backward": [("grad_output",)],
-    "sigmoid_backward": [("grad_output",)],
+    "sigmoid_backward": [("grad_output",)], "hardshrink_backward": [("grad_out",)],
+    "softshrink_backward": [("grad_output",)],
 }
 
 

@@ -1,5 +1,6 @@
 """Pooling and resampling over trailing spatial dims: max / avg / adaptive pools, upsampling
-(nearest, linear, bilinear, bicubic, trilinear), im2col / col2im, and their backward ops.
+(nearest, linear, bilinear, bicubic, trilinear), im2col / col2im, and their backward ops;
+the backward of replication padding.
 
 Each works on every plane -- one position of the leading (batch, channel) dims -- on its
 own, so a split of a leading dim survives: ``S(d) -> S(d)`` (the max-pool indices too, which
@@ -113,3 +114,6 @@ _register([getattr(aten, name + "_backward").default for name in _UPSAMPLE], _fo
 
 _register([aten.im2col.default], _batch_only(4))
 _register([aten.col2im.default], _batch_only(3))
+_register([aten.replication_pad1d_backward.default], _backward(1))
+_register([aten.replication_pad2d_backward.default], _backward(2))
+_register([aten.replication_pad3d_backward.default], _backward(3))

@@ -1,0 +1,56 @@
+"""PyTorch's OpInfo database on global tensors, compared with one device (DTensor's test_dtensor_ops
+for globaltensor).
+
+Every OpInfo op supporting float32 on CPU, variants included (opinfo_run.load_ops), on 4
+simulated ranks. Which cases run -- a fixed, seeded subset, to fit the suite's time budget:
+of each op's first 8 sample inputs, the one with the most tensor dims runs on a 1-D split
+(every tensor split along a random dim, uneven where the size is not a multiple of 4) and a
+2x2 nd-SBP (each tensor a random pair of split / broadcast / partial), and two more samples
+picked at random each run on one random recipe of split, broadcast, partial (pieces summing
+exactly to the value), nd (opinfo_run.plan). Forward, and backward where the OpInfo supports
+autograd; every seed derives from the op's name, so a run is reproducible.
+
+An op's class is its worst case's: clean < fallback (some aten op gathered to broadcast) <
+raises < wrong. The test fails on any wrong answer, on an error globaltensor raises that is not
+a ValueError / TypeError / NotImplementedError with a message (torch's own errors above the
+dispatcher, e.g. a kernel reading a global index tensor's data, are listed with their reason), on an op worse than expected.json says,
+and on an op better than it says (so the lists shrink); regenerate them with
+``PYTHONPATH=src python tools/op_coverage.py --update-expected``. A failure names the op, the
+sample index and the layouts of its tensor arguments.
+"""
+import pytest
+
+import expectations
+import opinfo_run as run
+
+OPS = run.load_ops()
+LISTED = expectations.load()
+
+
+def _cases(outcomes, classes) -> str:
+    return "\n".join(f"  sample {i}, {recipe} {o.layouts}: {o.cls}: {o.detail}"
+                     for i, recipe, o in outcomes if o.cls in classes)
+
+
+def test_expectation_lists_name_only_opinfo_ops():
+    names = {run.op_id(op) for op in OPS}
+    unknown = sorted(set(LISTED) - names)
+    assert not unknown, f"expected.json lists ops that are not in op_db: {unknown}"
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("op", OPS, ids=run.op_id)
+def test_opinfo_op_matches_one_device(op):
+    name = run.op_id(op)
+    outcomes = run.classify_op(op)
+    assert not any(o.cls == "wrong" for _, _, o in outcomes), \
+        f"{name} gives a wrong answer:\n{_cases(outcomes, ('wrong',))}"
+    unclear = run.unclear_errors(outcomes)
+    assert not unclear, f"{name}: globaltensor raised an unclear error:\n{_cases(unclear, ('raises',))}"
+    got, want = run.worst(outcomes), expectations.expected_class(LISTED, name)
+    order = run.CLASSES.index
+    assert order(got) <= order(want), \
+        f"{name} is now {got}, expected {want}:\n{_cases(outcomes, ('fallback', 'raises'))}"
+    assert order(got) >= order(want), \
+        (f"{name} is now {got}, better than the {want} expected.json lists: take it off the list "
+         f"(PYTHONPATH=src python tools/op_coverage.py --update-expected)")
