@@ -8,6 +8,9 @@ import json
 import time
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 
 import globaltensor as gt
 
@@ -40,6 +43,20 @@ gt.set_check(True)
 expect("check-plain-tensor", lambda: x + torch.full((4, 3), float(me)))     # a "broadcast" mask that differs
 expect("check-different-steps", lambda: x.to_global(sbp=B) if me == 1 else x * 2)
 gt.set_check(False)
+
+# DTensor conversions (every rank calls them: DeviceMesh creation is collective)
+descending = gt.distribute(torch.arange(12.0).reshape(4, 3), gt.placement("cpu", [1, 0]), S(0))
+expect("dtensor-mesh-not-ascending", lambda: descending.to_dtensor())
+expect("to-dtensor-mesh-differs", lambda: x.to_dtensor(mesh=DeviceMesh("cpu", [[0, 1]])))
+expect("from-dtensor-placement",
+       lambda: gt.from_dtensor(DTensor.from_local(torch.ones(2, 3), DeviceMesh("cpu", [0, 1]), [Partial("max")],
+                                                  run_check=False)))
+# dim 0 cut over mesh dim 1 first, then mesh dim 0 (a shard order DTensor's redistribute can produce)
+reordered = DTensorSpec(DeviceMesh("cpu", [[0, 1]]), (Shard(0), Shard(0)),
+                        TensorMeta(torch.Size([4, 3]), (3, 1), torch.float32),
+                        shard_order=(ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),))
+expect("from-dtensor-shard-order",
+       lambda: gt.from_dtensor(DTensor(torch.ones(2, 3), reordered, requires_grad=False)))
 
 gt.set_timeout(3)
 if me == 0:

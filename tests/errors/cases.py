@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import types
 
 import torch
 from torch import nn
@@ -125,6 +126,17 @@ def _check_piece_shape():
         gt.set_check(previous)
 
 
+def _profile_table(by):
+    with gt.comm_profile() as prof:
+        x84().to_global(sbp=B)
+    prof.table(by=by)
+
+
+def _no_sync_optimizer():
+    with gnn.no_sync(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1)):
+        pass
+
+
 def _launch(*argv):
     """The launcher's command line: argparse prints ``... error: MESSAGE`` and exits with status 2;
     raised here as that SystemExit with the message, for the catalogue to compare."""
@@ -173,6 +185,7 @@ CASES = {
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
     "torch-op-error": lambda: x84() @ x84(),
+    "cast-device": lambda: x84().to("meta"),        # "cuda" on a machine with CUDA; this one may have none
     # factories and random numbers
     "factory-size": lambda: gt.zeros(-1, 4, placement=p4(), sbp=B),
     "factory-placement": lambda: gt.ones(4, placement="cpu", sbp=B),
@@ -207,11 +220,32 @@ CASES = {
     "zero-partial-parameter": lambda: gnn.ZeroOptimizer([nn.Parameter(gt.zeros(4, placement=p4(), sbp=P))],
                                                         torch.optim.SGD, lr=0.1),
     "zero-plain-gradient": _zero_plain_grad,
+    "megatron-plan-flags": lambda: gnn.megatron_plan(["*.fc1"], ["*.fc2"], bias="no"),
+    "megatron-plan-patterns": lambda: gnn.megatron_plan(column="*.mlp.fc1"),
+    "megatron-plan-extra": lambda: gnn.megatron_plan(["*.fc1"], ["*.fc2"], extra=[("lm_head.weight", S(0))]),
+    "model-plan-config": lambda: gnn.llama_plan({"num_attention_heads": 32}, 4),
+    "model-plan-ranks": lambda: gnn.llama_plan(types.SimpleNamespace(num_attention_heads=32), 0),
+    "bucket-gradients-params": lambda: gnn.bucket_gradients(3),
+    "no-sync-module": _no_sync_optimizer,
+    "init-optimizer-state": lambda: gnn.init_optimizer_state(nn.Linear(4, 4)),
     # inspection
     "boxing-plan-tensor": lambda: gt.boxing_plan(torch.ones(2), sbp=B),
     "boxing-plan-placement": lambda: gt.boxing_plan(x84(), placement="cpu"),
     "visualize-tensor": lambda: gt.visualize(torch.ones(2)),
     "visualize-ndim": lambda: gt.visualize(gt.randn(2, 2, 2, placement=p4(), sbp=S(0))),
+    # profiling and logging
+    "comm-profile-module": lambda: gt.comm_profile("model"),
+    "profile-by": lambda: _profile_table("rank"),
+    "profile-by-type": lambda: _profile_table(0),
+    "log-level-type": lambda: gt.set_log_level(True),
+    "log-level-name": lambda: gt.set_log_level("verbose"),
+    # DTensor (the errors that need a DTensor, and so a process world: _process_errors.py)
+    "to-dtensor-tensor": lambda: gt.to_dtensor(torch.ones(2)),
+    "to-dtensor-mesh-type": lambda: x84().to_dtensor(mesh="cpu"),
+    "dtensor-needs-process-world": lambda: x84().to_dtensor(),
+    "from-dtensor-tensor": lambda: gt.from_dtensor(x84()),
+    "from-dtensor-module-module": lambda: gnn.from_dtensor_module(nn.Linear(4, 4).state_dict()),
+    "to-dtensor-module-module": lambda: gnn.to_dtensor_module(nn.Linear(4, 4).parameters()),
     # traced mode
     "compile-function": lambda: gt.compile(3),
     "compile-micro-batches": lambda: gt.compile(lambda x: x, micro_batches=0),

@@ -23,6 +23,10 @@ PROCESS_ENTRIES = {
     "fallback-outside-placement": [1],
     "check-plain-tensor": [0, 1],
     "check-different-steps": [0, 1],
+    "dtensor-mesh-not-ascending": [0, 1],
+    "to-dtensor-mesh-differs": [0, 1],
+    "from-dtensor-placement": [0, 1],
+    "from-dtensor-shard-order": [0, 1],
     "collective-did-not-arrive": [0],
 }
 

@@ -13,6 +13,8 @@ PHASES = ("forward", "backward")
 def _check_keys(by: Sequence[str]) -> tuple:
     if isinstance(by, str):
         by = (by,)
+    if not isinstance(by, (list, tuple)):
+        raise TypeError(f"by: expected a field name or a list of them, from {list(KEYS)}, got {by!r}")
     by = tuple(by)
     bad = [k for k in by if k not in KEYS]
     if bad or not by:

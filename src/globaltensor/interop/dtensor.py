@@ -106,13 +106,16 @@ def to_dtensor(x: GlobalTensor, mesh: Optional[DeviceMesh] = None) -> DTensor:
     sharing each rank's piece where the two libraries cut it alike; collective, differentiable."""
     if not isinstance(x, GlobalTensor):
         raise TypeError(f"to_dtensor: expected a global tensor, got {type(x).__name__}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"to_dtensor(mesh=): expected a torch.distributed DeviceMesh or None, "
+                        f"got {type(mesh).__name__}")
     _require_process_world("to_dtensor")
     placement = x.placement
     _check_ascending(placement, "to_dtensor")
     if mesh is not None:
         if placement_of_mesh(mesh) != placement:
             raise ValueError(f"to_dtensor(mesh=): the mesh is {placement_of_mesh(mesh)}, the tensor's placement is "
-                             f"{placement}; they must be the same ranks")
+                             f"{placement}; they must be the same ranks in the same array")
         _meshes.setdefault(placement, mesh)
     mesh = mesh or mesh_of_placement(placement)
     shape = tuple(x.shape)

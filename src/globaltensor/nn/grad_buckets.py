@@ -282,6 +282,9 @@ def bucket_gradients(params: Union[nn.Module, Iterable], bucket_bytes: int = DEF
     0 turns it off). Returns the :class:`GradBuckets`; ``close()`` removes its hooks and
     ``no_sync()`` (or ``gt.nn.no_sync(module)``) accumulates gradients without reducing.
     """
+    if isinstance(params, torch.Tensor) or not isinstance(params, (nn.Module, Iterable)):
+        raise TypeError(f"bucket_gradients(params): expected an nn.Module or an iterable of parameters, "
+                        f"got {type(params).__name__}")
     buckets = GradBuckets(bucket_bytes, overlap=True)
     module = params if isinstance(params, nn.Module) else None
     for p in (params.parameters() if module is not None else params):
@@ -299,6 +302,8 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     """Accumulate gradients over the backwards run inside without reducing them (as
     ``DistributedDataParallel.no_sync``); the first backward after reduces their sum. A module
     whose gradients are not bucketed reduces them when read anyway: then this does nothing."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"no_sync(module): expected an nn.Module, got {type(module).__name__}")
     buckets = getattr(module, "_gt_grad_buckets", None)
     if buckets is None:
         yield

@@ -91,6 +91,11 @@ def megatron_plan(column: Iterable[str] = (), row: Iterable[str] = (), *, axis: 
     without biases; ``conv1d=True`` for GPT-2-style ``Conv1D`` layers (weight ``[in, out]``)."""
     if not isinstance(bias, bool) or not isinstance(conv1d, bool):
         raise TypeError(f"megatron_plan: bias and conv1d must be bools, got bias={bias!r}, conv1d={conv1d!r}")
+    for name, patterns in (("column", column), ("row", row)):
+        if isinstance(patterns, str) or not isinstance(patterns, Iterable):
+            raise TypeError(f"megatron_plan({name}=): expected a list of module-name patterns, got {patterns!r}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"megatron_plan(extra=): expected a plan (a dict of pattern: sbp) or None, got {extra!r}")
     col_layout, row_layout = (CONV1D_COLUMN_PARALLEL, CONV1D_ROW_PARALLEL) if conv1d else (COLUMN_PARALLEL,
                                                                                           ROW_PARALLEL)
     plan: dict = dict(extra or {})
