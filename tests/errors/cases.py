@@ -186,6 +186,11 @@ CASES = {
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
     "torch-op-error": lambda: x84() @ x84(),
     "cast-device": lambda: x84().to("meta"),        # "cuda" on a machine with CUDA; this one may have none
+    "op-sparse-input": lambda: torch.sparse.mm(torch.eye(8).to_sparse(), x84()),
+    "op-sparse-result": lambda: x84().to_sparse(),
+    "resize-elements": lambda: x84().resize_(100),
+    "op-writes-layout-unkept": lambda: torch.ops.aten._native_batch_norm_legit(
+        *(gt.distribute(torch.ones(s), p4(), P) for s in ((5, 5, 5), (5,), (5,), (5,), (5,))), True, 0.5, 0.6),
     # factories and random numbers
     "factory-size": lambda: gt.zeros(-1, 4, placement=p4(), sbp=B),
     "factory-placement": lambda: gt.ones(4, placement="cpu", sbp=B),

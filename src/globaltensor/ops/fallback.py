@@ -65,9 +65,9 @@ def run_fallback(func, flat, spec):
     if not ranks:
         raise RuntimeError(f"{func}: this process holds no rank of {placement}, so it cannot run the op "
                            f"(it has no rule; ranks outside a placement skip only ops with rules)")
-    _warn_once(func)       # after the op ran: an op invalid for its shapes raises torch's error, unwarned
     out_flat, out_spec = per_rank[ranks[0]]
     reject_other_layouts(func, out_flat, "as its result")
+    _warn_once(func)       # after the op ran: an op invalid for its shapes raises torch's error, unwarned
     result = []
     for j, v in enumerate(out_flat):
         if isinstance(v, torch.Tensor):

@@ -52,10 +52,21 @@ def _functional(func):
 
 
 def write_back(func, args, kwargs):
-    """Run the functional op, then box its result into the written tensor's layout and copy it in."""
+    """Run the functional op, then box its result into the written tensor's layout and copy it in.
+
+    Ops that write some inputs besides returning their results (``_native_batch_norm_legit``
+    updating the running statistics) have no out-of-place op of their name to run: when no
+    signature keeps the written inputs' layouts, they raise rather than call themselves again."""
     target = written_objects(func, args, kwargs)[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    result = _functional(func)(*args, **kwargs)
+    functional = _functional(func)
+    if functional is func.overloadpacket:
+        layouts = ", ".join(f"{t._layout.nd_sbp}" for t in written_objects(func, args, kwargs)
+                            if isinstance(t, GlobalTensor))
+        raise NotImplementedError(f"{func}: no signature keeps the layouts of the tensors it writes ({layouts}) "
+                                  f"with these inputs; give the written tensors a split or broadcast layout "
+                                  f"(e.g. a partial-sum running statistic: .to_global(sbp=broadcast) first)")
+    result = functional(*args, **kwargs)
     result = box(result if isinstance(result, GlobalTensor) else replicate(result, target.placement),
                  target._layout)
     for r, piece in target._pieces.items():
