@@ -60,7 +60,7 @@ def write_back(func, args, kwargs):
     target = written_objects(func, args, kwargs)[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
     functional = _functional(func)
-    if functional is func.overloadpacket:
+    if functional is func.overloadpacket and not any(a.is_out for a in func._schema.arguments):
         layouts = ", ".join(f"{t._layout.nd_sbp}" for t in written_objects(func, args, kwargs)
                             if isinstance(t, GlobalTensor))
         raise NotImplementedError(f"{func}: no signature keeps the layouts of the tensors it writes ({layouts}) "
