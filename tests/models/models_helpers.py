@@ -15,9 +15,7 @@ here in float64 (HF's ``labels=`` path casts the logits to float32).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import warnings
 from dataclasses import dataclass, field
 from typing import List
 
@@ -25,8 +23,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import globaltensor as gt
-from globaltensor.ops import fallback
 from globaltensor.tensor import GlobalTensor
+from fallback_guard import no_fallback  # noqa: F401  (re-exported for the model tests)
 
 VOCAB, HIDDEN, LAYERS, HEADS, BATCH, SEQ = 128, 64, 2, 4, 8, 16
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -43,19 +41,6 @@ def make_model(kind: str, attn: str, kv_heads: int = HEADS) -> torch.nn.Module:
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                      attn_implementation=attn)
     return GPT2LMHeadModel(cfg).double()
-
-
-@contextlib.contextmanager
-def no_fallback():
-    """Any op running through the gather-to-broadcast fallback fails (its one-time warnings re-armed)."""
-    warned = fallback._warned
-    fallback._warned = set()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="globaltensor: ")
-            yield
-    finally:
-        fallback._warned = warned
 
 
 @dataclass
