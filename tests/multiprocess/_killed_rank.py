@@ -48,7 +48,8 @@ if mode == "compiled":
 step(x)
 if launcher == "launch" and gt.rank() == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-print("ready", time.time(), flush=True)
+sys.stdout.write(f"ready {time.time()}\n")   # one write: torchrun's ranks share one stdout pipe
+sys.stdout.flush()
 KILL["on"] = True
 try:
     step(x)
