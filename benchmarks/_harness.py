@@ -213,3 +213,35 @@ def load_average() -> str:
         return open("/proc/loadavg").read().split()[0]
     except OSError:
         return "?"
+
+
+def megatron_f_g(group=None):
+    """Megatron's two conjugate functions over ``group`` (None: the world), for hand-written
+    tensor parallelism: ``f`` is the identity forward and an all-reduce backward (before a
+    column-parallel layer), ``g`` an all-reduce forward and the identity backward (after a
+    row-parallel one)."""
+    import torch.distributed as dist
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            t = t.contiguous()
+            dist.all_reduce(t, group=group)
+            return t
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return F.apply, G.apply

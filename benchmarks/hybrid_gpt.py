@@ -38,32 +38,11 @@ def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
     import copy
 
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    class Copy(torch.autograd.Function):           # f: identity forward, all_reduce backward
-        @staticmethod
-        def forward(ctx, t):
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=tp_group)
-            return grad
-
-    class Reduce(torch.autograd.Function):         # g: all_reduce forward, identity backward
-        @staticmethod
-        def forward(ctx, t):
-            t = t.contiguous()
-            dist.all_reduce(t, group=tp_group)
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
+    copy_to_tp, reduce_from_tp = H.megatron_f_g(tp_group)       # f before column-parallel layers, g after row-parallel
 
     def column(lin: nn.Linear) -> nn.Linear:
         n = lin.out_features // tp
@@ -89,10 +68,10 @@ def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
 
         def forward(self, x):
             b, t, _ = x.shape
-            qkv = self.qkv(Copy.apply(x)).view(b, t, self.heads, 3, self.head_dim)
+            qkv = self.qkv(copy_to_tp(x)).view(b, t, self.heads, 3, self.head_dim)
             q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return Reduce.apply(self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))) + \
+            return reduce_from_tp(self.proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))) + \
                 self.proj_bias
 
     class MLP(nn.Module):
@@ -102,7 +81,7 @@ def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
             self.fc2, self.fc2_bias = row(m.fc2)
 
         def forward(self, x):
-            return Reduce.apply(self.fc2(F.gelu(self.fc1(Copy.apply(x))))) + self.fc2_bias
+            return reduce_from_tp(self.fc2(F.gelu(self.fc1(copy_to_tp(x))))) + self.fc2_bias
 
     model = copy.deepcopy(base)
     for block in model.blocks:

@@ -63,31 +63,10 @@ def hand_written_step(full, x, target, rank: int, world: int, loss_fn):
     by output features, fc2 by input features, Megatron's f (identity forward, all_reduce backward)
     before fc1 and g (all_reduce forward) after fc2; plain SGD."""
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class CopyToTensorParallel(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad)
-            return grad
-
-    class ReduceFromTensorParallel(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            t = t.contiguous()
-            dist.all_reduce(t)
-            return t
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
+    copy_to_tp, reduce_from_tp = H.megatron_f_g()
 
     n = D_HID // world
     sl = slice(rank * n, (rank + 1) * n)
@@ -99,8 +78,8 @@ def hand_written_step(full, x, target, rank: int, world: int, loss_fn):
 
     def step():
         xin = x.detach().requires_grad_()
-        h = torch.relu(F.linear(CopyToTensorParallel.apply(xin), w1, b1))
-        y = ReduceFromTensorParallel.apply(F.linear(h, w2)) + b2
+        h = torch.relu(F.linear(copy_to_tp(xin), w1, b1))
+        y = reduce_from_tp(F.linear(h, w2)) + b2
         loss = loss_fn(y, target)
         opt.zero_grad()
         loss.backward()

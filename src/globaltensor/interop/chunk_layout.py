@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
-from ..sbp.shape import balanced_range
+from ..sbp.shape import balanced_range, piece_ranges
 
 
 def chunk_range(n: int, k: int, i: int) -> tuple:
@@ -27,17 +27,9 @@ def chunk_range(n: int, k: int, i: int) -> tuple:
 SPLITTERS = {"balanced": balanced_range, "chunk": chunk_range}
 
 
-@lru_cache(maxsize=4096)
 def piece_box(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple, style: str) -> tuple:
     """(start, length) per tensor dim of the piece at ``coord``, splits cut in ``style``."""
-    split_range = SPLITTERS[style]
-    ranges = [(0, n) for n in shape]
-    for axis, v in enumerate(nd_sbp):
-        if v.is_split:
-            start, length = ranges[v.dim]
-            s, l = split_range(length, hierarchy[axis], coord[axis])
-            ranges[v.dim] = (start + s, l)
-    return tuple(ranges)
+    return piece_ranges(shape, hierarchy, nd_sbp, coord, SPLITTERS[style])
 
 
 def layouts_agree(shape: tuple, hierarchy: tuple, nd_sbp: tuple) -> bool:

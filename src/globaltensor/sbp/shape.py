@@ -22,13 +22,14 @@ def balanced_range(n: int, k: int, i: int) -> tuple:
 
 
 @lru_cache(maxsize=65536)
-def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
-    """(start, length) per tensor dim of the piece held at ``coord`` of the hierarchy."""
+def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple, split_range=balanced_range) -> tuple:
+    """(start, length) per tensor dim of the piece held at ``coord`` of the hierarchy; splits cut
+    by ``split_range(n, k, i)`` (ours balanced; interop passes DTensor's chunk-style cut)."""
     ranges = [(0, n) for n in shape]
     for axis, v in enumerate(nd_sbp):
         if v.is_split:
             start, length = ranges[v.dim]
-            s, l = balanced_range(length, hierarchy[axis], coord[axis])
+            s, l = split_range(length, hierarchy[axis], coord[axis])
             ranges[v.dim] = (start + s, l)
     return tuple(ranges)
 
