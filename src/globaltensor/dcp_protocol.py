@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .boxing import Layout
 from .sbp import broadcast, split
-from .sbp.shape import numel
+from .sbp.shape import blocked_dims, numel
 
 _SAVABLE = "_dcp_savable"   # the attribute holding the boxed copy of a partial tensor between plan and write
 
@@ -43,8 +43,22 @@ def savable_layout(layout: Layout) -> Layout:
     return layout.with_sbp(tuple(split(dim) if v.is_partial else v for v in layout.nd_sbp))
 
 
-def _offsets(layout: Layout, rank: int) -> torch.Size:
-    return torch.Size(start for start, _ in layout.box(rank))
+def _chunks(layout: Layout, rank: int, piece: torch.Tensor) -> list:
+    """``(offsets, view of piece)`` of the boxes ``rank``'s piece covers: the piece itself, or for a
+    blocked split its part of each block (a view of the factored piece; DCP fills views in place)."""
+    boxes = layout.block_boxes(rank)
+    if not layout.blocked:
+        return [(torch.Size(start for start, _ in boxes[0][1]), piece)]
+    blocked = sorted(blocked_dims(layout.nd_sbp))
+    factored = layout.factored()
+    fpiece = piece.view(factored.piece_shape(rank))
+    out = []
+    for picks, box in boxes:
+        view = fpiece
+        for d, pick in sorted(zip(blocked, picks), reverse=True):   # the last first: earlier dims keep their index
+            view = view.select(d + sum(b < d for b in blocked), pick)
+        out.append((torch.Size(start for start, _ in box), view))
+    return out
 
 
 def _distinct_pieces(layout: Layout, pieces: dict) -> list:
@@ -53,12 +67,11 @@ def _distinct_pieces(layout: Layout, pieces: dict) -> list:
     out, seen = [], set()
     keep_empty = numel(layout.shape) == 0
     for rank in sorted(pieces):
-        piece = pieces[rank]
-        offsets = _offsets(layout, rank)
-        if offsets in seen or (piece.numel() == 0 and not keep_empty):
-            continue
-        seen.add(offsets)
-        out.append((offsets, piece))
+        for offsets, piece in _chunks(layout, rank, pieces[rank]):
+            if offsets in seen or (piece.numel() == 0 and not keep_empty):
+                continue
+            seen.add(offsets)
+            out.append((offsets, piece))
     return out
 
 
@@ -93,7 +106,7 @@ def _load_targets(t) -> list:
         if t._pieces[rank].numel() == 0 and not keep_empty:
             continue
         if all(coord[a] == 0 for a in partial_axes):
-            out.append((_offsets(layout, rank), t._pieces[rank]))
+            out.extend(_chunks(layout, rank, t._pieces[rank]))
     return out
 
 

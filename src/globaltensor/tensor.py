@@ -14,7 +14,7 @@ from .boxing import Layout, execute, plan_boxing
 from .comm import collective_call, get_world
 from .comm.profile_context import run_labelled
 from .placement import Placement
-from .sbp import as_nd_sbp, broadcast
+from .sbp import as_nd_sbp, broadcast, check_blocks
 from .sbp.shape import piece_shape
 
 def set_dispatcher(fn: Callable) -> None:
@@ -229,6 +229,7 @@ class GlobalTensor(torch.Tensor):
                                  f"{self.placement.ndim} to {placement.ndim} dims")
             sbp = self.sbp
         nd = as_nd_sbp(sbp, placement.ndim, self.dim(), "to_global(sbp)")
+        check_blocks(self.shape, placement.hierarchy, nd, "to_global(sbp)")
         target = Layout(tuple(self.shape), self.dtype, placement, nd)
         grad_layout = None
         if grad_sbp is not None:
@@ -397,6 +398,7 @@ def to_global(t: torch.Tensor, placement: Optional[Placement] = None, sbp=None, 
     _check_device(t, placement)
     if shape is None:
         shape = _global_shape_from_pieces(t, placement, nd)
+    check_blocks(shape, placement.hierarchy, nd, "to_global(sbp)")
     layout = Layout(tuple(shape), t.dtype, placement, nd)
     world = get_world()
     held = [r for r in placement.rank_list() if world.holds(r)]

@@ -17,17 +17,18 @@ def _cuts(layout: Layout, dim: int) -> list:
     n = layout.shape[dim]
     points = {0, n}
     for r in layout.placement.rank_list():
-        s, length = layout.box(r)[dim]
-        if length:
-            points.update((s, s + length))
+        for _, box in layout.block_boxes(r):
+            s, length = box[dim]
+            if length:
+                points.update((s, s + length))
     return sorted(points)
 
 
 def _holders(layout: Layout, cell: tuple) -> list:
     out = []
     for r in layout.placement.rank_list():
-        box = layout.box(r)
-        if all(s <= c0 and c0 + cl <= s + length and length > 0 for (c0, cl), (s, length) in zip(cell, box)):
+        if any(all(s <= c0 and c0 + cl <= s + length and length > 0 for (c0, cl), (s, length) in zip(cell, box))
+               for _, box in layout.block_boxes(r)):
             out.append(r)
     return out
 

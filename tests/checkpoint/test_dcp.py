@@ -141,3 +141,19 @@ def test_a_piece_this_process_does_not_hold_is_named(p1):
     x = gt.zeros(8, 2, placement=p1, sbp=S(0))
     with pytest.raises(ValueError, match=r"w: this process holds no piece .* at offsets \(1, 0\)"):
         x.__get_tensor_shard__(MetadataIndex("w", torch.Size([1, 0])))
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    ((S(0), S(1, blocks=3)), S(1)), (S(0), (B, S(1, blocks=3))), (S(1, blocks=3), (S(1, blocks=3), P))])
+def test_blocked_splits_save_a_chunk_per_block_and_load_in_place(tmp_path, saved, loaded):
+    """A blocked piece is its part of each block: one chunk per block, at that block's offsets."""
+    x = torch.randn(6, 12, dtype=torch.float64)
+    with gt.simulate(4):
+        def placement(nd):
+            return gt.placement("cpu", [[0, 1], [2, 3]] if isinstance(nd, tuple) else [0, 1, 2, 3])
+        dcp.save({"x": gt.distribute(x, placement(saved), saved)}, checkpoint_id=tmp_path)
+        dst = gt.full((6, 12), 9.0, dtype=torch.float64, placement=placement(loaded), sbp=loaded)
+        dcp.load({"x": dst}, checkpoint_id=tmp_path)
+        assert torch.equal(dst.full_tensor(), x)
+    if saved == S(1, blocks=3):
+        assert chunks(tmp_path, "x") == [((0, c), (6, 1)) for c in range(12)]

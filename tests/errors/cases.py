@@ -164,6 +164,8 @@ CASES = {
     "placement-coord-outside": lambda: p4().coord(7),
     # SBP
     "split-dim-not-int": lambda: S("0"),
+    "split-blocks-not-int": lambda: S(1, blocks=0),
+    "split-blocks-layout": lambda: gt.randn(8, 5, placement=p4(), sbp=S(1, blocks=3)),
     "sbp-immutable": _assign_split_dim,
     "sbp-immutable-delete": _delete_split_dim,
     "sbp-not-sbp": lambda: x84().to_global(sbp="B"),

@@ -2,9 +2,9 @@
 trained on 4 simulated ranks with tensor, data and 2x2 hybrid parallelism: values, gradient
 SBPs and parameters equal one device's in float64, no fallback, bytes against Megatron's.
 
-GPT-2's ``c_attn`` packs ``[q | k | v]`` side by side, so no contiguous split of it gives a rank
-whole heads; ``gt.nn.gpt2_plan`` keeps it broadcast (see its docstring), and the step sends no
-more bytes than Megatron's."""
+GPT-2's ``c_attn`` packs ``[q | k | v]`` side by side; ``gt.nn.gpt2_plan`` splits its weight as
+three blocks (``S(1, blocks=3)``), so ``split`` hands out q, k and v split by heads, as
+Megatron's interleaved weight does."""
 import pytest
 
 import globaltensor as gt
@@ -15,11 +15,14 @@ from test_llama import _sent
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_tensor_parallel_step_within_megatrons_bytes(p1, attn):
+    """Attention and the MLP split by heads with no communication. The bytes-first signature cost
+    then finds gathering attention's ``c_proj`` input and 64x64 weight (73,728 bytes a rank) cheaper
+    than all-reducing its 128x64 output (98,304): fewer bytes than Megatron, one more collective
+    per layer. (Gathering wins while the hidden size is below the tokens per step.)"""
     run = train_side_by_side("gpt2", p1, gt.nn.gpt2_plan(make_model("gpt2", attn), 4), B, attn)
     megatron = megatron_collectives(tp=4)
     assert _sent(run.records) <= sum(b for _, b in megatron)
-    if attn == "eager":
-        assert len(run.records) <= len(megatron)
+    assert len(run.records) <= len(megatron) + 2
 
 
 def test_data_parallel_step_reduces_each_gradient_once(p1):

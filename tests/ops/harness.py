@@ -17,9 +17,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
-from globaltensor.ops.dispatch import _decide
+from globaltensor.ops.dispatch import _decide, blocked_variants
 from globaltensor.ops.registry import find_rule
-from globaltensor.sbp import all_broadcast, as_signature, broadcast, nd_candidates, partial_sum, split
+from globaltensor.sbp import all_broadcast, as_signature, blocks_problem, broadcast, nd_candidates, partial_sum, split
 from fallback_guard import no_fallback  # noqa: F401  (re-exported for the tests)
 
 PLACEMENTS = {"1d": lambda: gt.placement("cpu", [0, 1, 2, 3]), "2x2": lambda: gt.placement("cpu", [[0, 1], [2, 3]])}
@@ -80,20 +80,30 @@ def _compare(got, want, what, rtol, atol):
         _assert_close(g, w, f"{what} output {i}", rtol, atol)
 
 
+def _meta_args(args, kwargs) -> tuple:
+    return tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor)
+                    else v, (args, kwargs))
+
+
 def candidate_signatures(op, *args, **kwargs) -> list:
     """The rule's 1-D candidates for these arguments (meta tensors of the same shapes)."""
     rule = find_rule(op)
     assert rule is not None, f"{op} has no rule"
-    meta = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor)
-                    else v, (args, kwargs))
+    meta = _meta_args(args, kwargs)
     return [as_signature(c) for c in rule.candidates(*meta[0], **meta[1])]
 
 
-def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), max_2d=12, seed=0, **kwargs):
+def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), max_2d=12, seed=0, blocks=1,
+                     **kwargs):
     """Each candidate of ``op``'s rule, forced on its own with the inputs in its layouts, gives the
-    single-device result and outputs in its layouts; returns how many ran."""
+    single-device result and outputs in its layouts; returns how many ran. ``blocks=f`` checks
+    instead the candidates with every split blocked ``f`` ways (rules that declare ``blocked``),
+    skipping those whose blocks do not fit the shapes."""
     want = op(*args, **kwargs)
     sigs = candidate_signatures(op, *args, **kwargs)
+    if blocks > 1:
+        meta = _meta_args(args, kwargs)
+        sigs = blocked_variants(find_rule(op), sigs, [blocks], *meta)
     assert sigs, f"{op}: the rule gave no candidates for these arguments"
     replicated = all_broadcast(len(sigs[0].inputs), len(sigs[0].outputs))
     shape_checked = find_rule(op).check_shapes
@@ -108,6 +118,12 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
             for c in combos:
                 flat, spec = tree_flatten((args, kwargs))
                 tensors = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+                shapes = [tuple(flat[i].shape) for i in tensors] + [tuple(o.shape) for o in tree_flatten(want)[0]
+                                                                    if isinstance(o, torch.Tensor)]
+                if any(blocks_problem(shape, p.hierarchy, nd) for shape, nd in zip(shapes, c.inputs + c.outputs)):
+                    continue        # the dispatcher never offers it
+                if blocks > 1 and not any(v.is_split and v.blocks > 1 for nd in c.inputs for v in nd):
+                    continue        # the plain candidate, checked without blocks
                 for k, i in enumerate(tensors):
                     flat[i] = make_global(flat[i], p, c.inputs[k], rng)
                 a, kw = tree_unflatten(flat, spec)

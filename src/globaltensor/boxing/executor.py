@@ -241,6 +241,10 @@ def _send_recv(step: Step, pieces, world):
     return out
 
 
+def _refactor(step: Step, pieces, world):
+    return {r: t.reshape(step.dst.piece_shape(r)) for r, t in pieces.items()}
+
+
 _RUNNERS = {
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
@@ -251,4 +255,5 @@ _RUNNERS = {
     "copy": _copy,
     "broadcast": _broadcast,
     "send_recv": _send_recv,
+    "refactor": _refactor,
 }

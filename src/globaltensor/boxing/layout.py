@@ -8,7 +8,7 @@ from itertools import product
 import torch
 
 from ..placement import Placement
-from ..sbp.shape import numel, piece_ranges
+from ..sbp.shape import blocked_dims, factored, numel, piece_ranges, piece_shape
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,36 @@ class Layout:
         return piece_ranges(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
 
     def piece_shape(self, rank: int) -> tuple:
-        return tuple(l for _, l in self.box(rank))
+        return piece_shape(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
+
+    @property
+    def blocked(self) -> bool:
+        """Whether a split of this layout is blocked (its pieces are boxes of :meth:`factored` only)."""
+        return bool(blocked_dims(self.nd_sbp))
+
+    def factored(self, blocks: tuple = ()) -> "Layout":
+        """The layout of the factored tensor (sbp/shape.py ``factored``): the same pieces, each
+        reshaped, as boxes; ``blocks`` (``(dim, f)`` pairs) factors dims this layout does not block."""
+        shape, nd = factored(self.shape, self.nd_sbp, blocks)
+        return Layout(shape, self.dtype, self.placement, nd)
+
+    def block_boxes(self, rank: int) -> list:
+        """``(picks, box)`` for each box of the tensor that ``rank``'s piece covers: one, its
+        :meth:`box`, with ``picks == ()``; for a blocked split, its part of each block, ``picks``
+        giving that block's index within the piece along each blocked dim (in dim order)."""
+        if not self.blocked:
+            return [((), self.box(rank))]
+        blocked = sorted(blocked_dims(self.nd_sbp))
+        factored = self.factored()
+        fbox = factored.box(rank)
+        where = [d + sum(b < d for b in blocked) for d in range(len(self.shape))]
+        out = []
+        for picks in product(*(range(fbox[where[d]][1]) for d in blocked)):
+            pick = dict(zip(blocked, picks))
+            box = tuple(((fbox[f][0] + pick[d]) * factored.shape[f + 1] + fbox[f + 1][0], fbox[f + 1][1])
+                        if d in pick else fbox[f] for d, f in enumerate(where))
+            out.append((picks, box))
+        return out
 
     def with_sbp(self, nd_sbp: tuple) -> "Layout":
         return Layout(self.shape, self.dtype, self.placement, tuple(nd_sbp))

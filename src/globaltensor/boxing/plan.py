@@ -13,7 +13,8 @@ class Step:
     """One boxing step from layout ``src`` to layout ``dst``.
 
     ``op`` is a collective (see COLLECTIVES) or a local op: ``slice`` (B->S), ``to_partial``
-    (S->P, B->P), ``copy`` (rank-local moves between placements). Same-placement steps work
+    (S->P, B->P), ``copy`` (rank-local moves between placements), ``refactor`` (each rank
+reshapes its piece to or from a blocked split's factored layout). Same-placement steps work
     on the groups along ``axes``; ``groups`` lists the groups of ranks in the order every
     rank issues them. ``bytes_per_rank`` is what each rank sends, as gt.comm_stats counts it.
     Between placements: ``broadcast`` sends ``root``'s tensor to the rest of its group while

@@ -8,6 +8,11 @@ cheapest of a few routes (see _across): send/recv of the intersecting blocks, on
 all-gather over a source replica and the target ranks, or a broadcast, with partial axes
 reduced in the source placement first. Either way no rank sends more than the tensor once
 plus the reduce-scatter of a partial source.
+
+A blocked split's pieces are boxes of the factored tensor only (sbp/shape.py): a boxing from or
+to one is planned there, between ``refactor`` steps (each rank reshapes its piece, no data
+moves); a layout the factoring cannot describe (a plain split cutting blocks apart, or other
+block counts) is reached through the plain layout with the blocked axes broadcast.
 """
 from __future__ import annotations
 
@@ -21,18 +26,49 @@ from .layout import Layout, intersect
 from .plan import Plan, Step
 from ..comm.stats import ring_bytes
 from ..comm.world import Transfer
-from ..sbp.shape import numel
+from ..sbp.shape import blocked_dims, blocks_problem, numel
 
 
 @lru_cache(maxsize=4096)
 def plan_boxing(src: Layout, dst: Layout) -> Plan:
     if src.shape != dst.shape or src.dtype != dst.dtype:
         raise ValueError(f"boxing: source and target must have the same shape and dtype, got {src} and {dst}")
-    if src.placement == dst.placement:
+    if src == dst:
+        steps = []
+    elif src.blocked or dst.blocked:
+        steps = _through_factored(src, dst)
+    elif src.placement == dst.placement:
         steps = _search(src, dst.nd_sbp)
     else:
         steps = _across(src, dst)
     return Plan(src, dst, tuple(steps))
+
+
+def _through_factored(src: Layout, dst: Layout) -> list:
+    for lay in (src, dst):
+        problem = blocks_problem(lay.shape, lay.placement.hierarchy, lay.nd_sbp)
+        if problem:
+            raise ValueError(f"boxing: {lay.nd_sbp!r} is not a layout of shape {tuple(lay.shape)}: {problem}")
+    pairs = dict(blocked_dims(src.nd_sbp))
+    clash = any(pairs.setdefault(d, f) != f for d, f in blocked_dims(dst.nd_sbp).items())
+    pairs = tuple(sorted(pairs.items()))
+    if not clash and not any(blocks_problem(lay.shape, lay.placement.hierarchy, lay.nd_sbp, pairs)
+                             for lay in (src, dst)):
+        fsrc, fdst = src.factored(pairs), dst.factored(pairs)
+        return [_refactor(src, fsrc), *plan_boxing(fsrc, fdst).steps, _refactor(fdst, dst)]
+    plain_src, plain_dst = _unblocked(src), _unblocked(dst)
+    return [*plan_boxing(src, plain_src).steps, *plan_boxing(plain_src, plain_dst).steps,
+            *plan_boxing(plain_dst, dst).steps]
+
+
+def _refactor(src: Layout, dst: Layout) -> Step:
+    """Each rank reshapes its piece between a layout and its factored form (no data moves)."""
+    return Step("refactor", src, dst, (), ())
+
+
+def _unblocked(layout: Layout) -> Layout:
+    """``layout`` with its blocked axes broadcast."""
+    return layout.with_sbp(tuple(broadcast if v.is_split and v.blocks > 1 else v for v in layout.nd_sbp))
 
 
 def _values(src: Layout, target: tuple) -> list:

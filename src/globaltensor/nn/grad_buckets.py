@@ -168,7 +168,7 @@ def _plan(p, g: GlobalTensor, overlap: bool) -> Optional[tuple]:
     axes = tuple(a for a, v in enumerate(g.sbp) if v.is_partial)
     if all(u == v or (u.is_partial and v.is_broadcast) for u, v in zip(g.sbp, want.nd_sbp)):
         return "all_reduce", want, axes
-    if (len(axes) == 1 and want.nd_sbp[axes[0]].is_split
+    if (len(axes) == 1 and want.nd_sbp[axes[0]].is_split and not want.blocked and not g._layout.blocked
             and all(u == v for a, (u, v) in enumerate(zip(g.sbp, want.nd_sbp)) if a != axes[0])
             and _chunks_line_up(g._layout, want, axes)):
         return "reduce_scatter", want, axes

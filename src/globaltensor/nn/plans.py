@@ -43,6 +43,9 @@ REPLICATED: Mapping[str, object] = {"weight": broadcast, "bias": broadcast}
 CONV1D_COLUMN_PARALLEL: Mapping[str, object] = {"weight": split(1), "bias": split(0)}
 #: Row parallel for a ``Conv1D`` (weight ``[in, out]``): input features split.
 CONV1D_ROW_PARALLEL: Mapping[str, object] = {"weight": split(0), "bias": broadcast}
+#: Column parallel for a ``Conv1D`` whose outputs are three blocks side by side (GPT-2's fused
+#: ``[q | k | v]`` ``c_attn``): each rank holds its part of every block.
+CONV1D_FUSED_QKV_COLUMN_PARALLEL: Mapping[str, object] = {"weight": split(1, blocks=3), "bias": split(0, blocks=3)}
 
 
 def _check_axis(axis: int, ndim: int) -> None:
@@ -158,22 +161,21 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> 
 def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> dict:
     """Megatron's plan for HuggingFace ``GPT2LMHeadModel`` (``Conv1D`` layers, weight ``[in, out]``) over
     ``ranks`` ranks on placement axis ``axis``: the MLP's ``c_fc`` column parallel (weight ``S(1)``,
-    bias ``S(0)``) and ``c_proj`` row parallel (weight ``S(0)``, bias ``B``); attention's ``c_proj``
-    row parallel when the heads divide over ``ranks``; its fused ``c_attn`` broadcast.
+    bias ``S(0)``) and ``c_proj`` row parallel (weight ``S(0)``, bias ``B``); attention's fused
+    ``c_attn`` column parallel per head and its ``c_proj`` row parallel, when the heads divide
+    over ``ranks``.
 
-    ``c_attn``'s output is ``[q | k | v]`` side by side, so a contiguous split of its columns
-    gives a rank parts of q, k and v that are not one rank's heads (Megatron interleaves its
-    fused weight per head; a plan cannot reorder a weight). So ``c_attn`` stays broadcast: each
-    rank computes q, k and v whole, and the dispatcher picks where attention splits. The step
-    then sends no more bytes than Megatron's (fewer: the replicated ``c_attn`` needs no
-    reduction), in more collectives under ``sdpa`` (the q / k / v gradients are gathered where
-    ``split``'s backward concatenates them); docs/models.md has the measured table.
-    Embeddings, norms and the (tied) head are broadcast."""
+    ``c_attn``'s output is ``[q | k | v]`` side by side: its weight is split as three blocks
+    (:data:`CONV1D_FUSED_QKV_COLUMN_PARALLEL`: weight ``S(1, blocks=3)``, bias ``S(0, blocks=3)``),
+    so each rank holds the columns of its heads of q, of k and of v, as Megatron's interleaved
+    fused weight does, and ``split`` hands each of q, k, v out split by heads with no
+    communication. Embeddings, norms and the (tied) head are broadcast."""
     _check_ranks(ranks)
     config = _config(model_or_config)
     heads = _size(config, "n_head", "num_attention_heads")
     plan: dict = {}
     if heads % ranks == 0:
+        plan.update(layer_plan("*.attn.c_attn", CONV1D_FUSED_QKV_COLUMN_PARALLEL, axis, ndim))
         plan.update(layer_plan("*.attn.c_proj", CONV1D_ROW_PARALLEL, axis, ndim))
     plan.update(layer_plan("*.mlp.c_fc", CONV1D_COLUMN_PARALLEL, axis, ndim))
     plan.update(layer_plan("*.mlp.c_proj", CONV1D_ROW_PARALLEL, axis, ndim))

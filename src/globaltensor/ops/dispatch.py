@@ -33,7 +33,8 @@ from ..boxing import Layout, plan_boxing
 from ..comm import profile_context as attribution
 from ..comm.profile_log import log_signature, signatures_logged
 from ..comm.consistency import CHECK as _check
-from ..sbp import all_broadcast, as_signature, broadcast, choose, nd_candidates
+from ..sbp import Signature, Split, all_broadcast, as_signature, broadcast, choose, nd_candidates
+from ..sbp.shape import blocks_problem
 from ..tensor import GlobalTensor, gradient_layout, set_dispatcher
 from .args import Substitution, get, tensor_positions
 from .boxed_copy import copy_layout
@@ -209,11 +210,12 @@ def _decide(func, args, kwargs, only=None) -> Callable:
         return _flat(lambda f, s: run_fallback(func, f, s))
     placement = _placement_of(func, tensors)
     outs = [meta_out] if kind == "tensor" else [o for o in meta_out if o is not None] if kind != "none" else []
-    per_axis = [as_signature(c) for c in rule.candidates(*meta_args, **meta_kwargs)]
-    per_axis = [c for c in per_axis + [all_broadcast(len(tensors), len(outs))]
-                if len(c.inputs) == len(tensors) and len(c.outputs) == len(outs)]
     in_layouts = [t._layout if isinstance(t, GlobalTensor) else
                   Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim) for t in tensors]
+    per_axis = [as_signature(c) for c in rule.candidates(*meta_args, **meta_kwargs)]
+    per_axis += _blocked_variants(rule, per_axis, in_layouts, meta_args, meta_kwargs)
+    per_axis = [c for c in per_axis + [all_broadcast(len(tensors), len(outs))]
+                if len(c.inputs) == len(tensors) and len(c.outputs) == len(outs)]
     inside = _recording() == "inside"
     recorded = [inside or (_grad_enabled() and t.requires_grad) for t in tensors]
     kept_copies = [copy_layout(t) if type(t) is GlobalTensor else None for t in tensors]
@@ -227,6 +229,7 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     if kept and not candidates:
         return _views_and_writes(func, lambda a, k: write_back(func, a, k), positions, [], kept)
     out_meta = [(tuple(o.shape), o.dtype) for o in outs]
+    candidates = [c for c in candidates if _blocks_fit(c, in_layouts, out_meta, placement)]
     if rule.check_shapes:
         candidates = [c for c in candidates
                       if _pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, positions, rule, placement)]
@@ -267,6 +270,34 @@ def _decide(func, args, kwargs, only=None) -> Callable:
                    returned, rule.kernel,
                    [o is not None for o in meta_out] if kind in ("tuple", "list") else None)
     return _views_and_writes(func, run.fast(), positions, targets, kept)
+
+
+def _blocked_variants(rule, per_axis, in_layouts, meta_args, meta_kwargs) -> list:
+    """The candidates of a ``blocked`` rule again with every split blocked, once per block
+    count the inputs' blocked splits have."""
+    counts = sorted({v.blocks for lay in in_layouts for v in lay.nd_sbp if v.is_split and v.blocks > 1})
+    return blocked_variants(rule, per_axis, counts, meta_args, meta_kwargs) if counts else []
+
+
+def blocked_variants(rule, per_axis, counts, meta_args, meta_kwargs) -> list:
+    """``per_axis`` (or the part ``rule.blocked`` names) with every split blocked ``f`` ways, for each
+    ``f`` in ``counts``; nothing for a rule that is not ``blocked``."""
+    if not rule.blocked:
+        return []
+    eligible = per_axis if rule.blocked is True else [as_signature(c) for c in rule.blocked(*meta_args, **meta_kwargs)]
+    blocked = lambda vs, f: tuple(Split(v.dim, f) if v.is_split else v for v in vs)
+    plain = [c for c in eligible if any(v.is_split for v in c.inputs + c.outputs)
+             and not any(v.is_split and v.blocks > 1 for v in c.inputs + c.outputs)]
+    return [Signature(blocked(c.inputs, f), blocked(c.outputs, f)) for f in counts for c in plain]
+
+
+def _blocks_fit(c, in_layouts, out_meta, placement) -> bool:
+    """Whether every blocked split of the nd-candidate lays out its tensor (sbp/shape.py)."""
+    hierarchy = placement.hierarchy
+    return not any(blocks_problem(shape, hierarchy, nd)
+                   for shape, nd in [(lay.shape, nd) for lay, nd in zip(in_layouts, c.inputs)] +
+                   [(shape, nd) for (shape, _), nd in zip(out_meta, c.outputs)]
+                   if any(v.is_split and v.blocks > 1 for v in nd))
 
 
 _LAYOUTS: dict = {}

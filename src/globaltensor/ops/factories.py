@@ -11,7 +11,7 @@ import torch
 from ..boxing import Layout, execute, plan_boxing
 from ..comm import get_world
 from ..placement import Placement
-from ..sbp import as_nd_sbp, broadcast, numel
+from ..sbp import as_nd_sbp, broadcast, check_blocks, numel
 from ..tensor import GlobalTensor
 from . import rng
 
@@ -32,13 +32,16 @@ def _layout(shape, dtype, placement, sbp, name: str) -> Layout:
     if sbp is None:
         raise ValueError(f"{name}: sbp= is required")
     nd = as_nd_sbp(sbp, placement.ndim, len(shape), f"{name}(sbp)")
+    check_blocks(shape, placement.hierarchy, nd, f"{name}(sbp)")
     return Layout(tuple(shape), dtype or torch.get_default_dtype(), placement, nd)
 
 
 def _build(layout: Layout, make_piece, requires_grad: bool) -> GlobalTensor:
-    """Make each held rank's piece of the partial-free layout, then zero partial axes locally."""
+    """Make each held rank's piece of the partial-free, unblocked layout, then zero partial axes
+    and take the blocks' parts locally (the values follow the logical index, as on one device)."""
     world = get_world()
-    plain = layout.with_sbp(tuple(broadcast if v.is_partial else v for v in layout.nd_sbp))
+    plain = layout.with_sbp(tuple(broadcast if v.is_partial or v.is_split and v.blocks > 1 else v
+                                  for v in layout.nd_sbp))
     pieces = {r: make_piece(plain.box(r), world.device(layout.placement.type, r))
               for r in layout.placement.rank_list() if world.holds(r)}
     if plain != layout:

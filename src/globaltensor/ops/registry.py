@@ -10,7 +10,11 @@ candidate is used (for ops whose pieces only line up on some shapes); and ``kern
 one call runs on the ranks this process holds, in place of the aten op on each rank's
 pieces -- ``kernel(func, args, kwargs, in_layouts, out_layouts, calls)``, given the call's
 own (global) arguments and ``calls`` mapping each held rank to its ``(args, kwargs)`` of
-pieces (after ``local``), returns ``{rank: result}``. It is called
+pieces (after ``local``), returns ``{rank: result}``. ``blocked``: the op keeps every index of
+a split dim where it was (pointwise ops, matrix products, reductions over other dims, dim
+permutations), so each candidate holds with every split blocked alike (``split(d, blocks=f)``,
+f taken from the inputs): True for all candidates, or a function of the op's arguments
+returning the candidates for which this holds. It is called
 once per call even when this process holds no rank of the placement (random ops reserve
 their counters there, so every process agrees), for ops whose pieces are not simply the
 aten op on the pieces (a random mask drawn from the rank's box, a vocabulary-split lookup).
@@ -33,6 +37,7 @@ class Rule:
     local: Optional[Callable] = None
     check_shapes: bool = False
     kernel: Optional[Callable] = None
+    blocked: object = False
 
 
 RULES: dict = {}
@@ -50,7 +55,7 @@ def _overloads(op) -> list:
     return [op]
 
 
-def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None):
+def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
@@ -58,7 +63,7 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     """
     def install(fn):
         _check_rule(ops, fn, local, kernel)
-        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel)
+        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule
@@ -93,9 +98,9 @@ def _check_rule(ops, candidates, local, kernel) -> None:
 _TAGGED: list = []
 
 
-def register_tag_rule(tag, rule_fn) -> None:
+def register_tag_rule(tag, rule_fn, blocked=False) -> None:
     """A rule for every op carrying ``tag`` (``torch.Tag.pointwise``) that has no rule of its own."""
-    _TAGGED.append((tag, Rule(rule_fn)))
+    _TAGGED.append((tag, Rule(rule_fn, blocked=blocked)))
 
 
 def find_rule(func) -> Optional[Rule]:

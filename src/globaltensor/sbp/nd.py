@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .shape import blocks_problem
 from .values import SbpValue, Split
 
 
@@ -40,9 +41,16 @@ def normalize_split(v: SbpValue, tensor_ndim: int, name: str = "sbp") -> SbpValu
             f"{name}: split dim {d} is out of range for a tensor of {tensor_ndim} dims "
             f"(expected {-tensor_ndim}..{tensor_ndim - 1})" if tensor_ndim else
             f"{name}: split({d}) is impossible for a 0-dim tensor")
-    return Split(d % tensor_ndim) if d < 0 else v
+    return Split(d % tensor_ndim, v.blocks) if d < 0 else v
 
 
 def split_axes(nd_sbp: tuple, dim: int) -> list:
     """The placement axes whose SBP splits tensor dim ``dim``, in axis order."""
     return [a for a, v in enumerate(nd_sbp) if v.is_split and v.dim == dim]
+
+
+def check_blocks(shape: tuple, hierarchy: tuple, nd_sbp: tuple, name: str = "sbp") -> None:
+    """ValueError (naming ``name``) when ``nd_sbp``'s blocked splits do not fit ``shape``."""
+    problem = blocks_problem(tuple(shape), tuple(hierarchy), nd_sbp)
+    if problem:
+        raise ValueError(f"{name}: {nd_sbp!r} does not lay out a tensor of shape {tuple(shape)}: {problem}")

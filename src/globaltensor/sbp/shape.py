@@ -3,10 +3,18 @@
 A dim of ``n`` over ``k`` ranks gives the first ``n % k`` ranks ``ceil(n/k)`` and the rest
 ``floor(n/k)``. Under an nd-SBP the axes that split the same dim cut it one after the
 other, in axis order: axis 0 cuts the dim, axis 1 cuts each of those parts again, ...
+
+A blocked split (``split(d, blocks=f)``) reads dim ``d`` of size ``n`` as the pair ``(f, n/f)``
+and cuts the second: a rank's piece is its part of every block. Its pieces are not boxes of
+the tensor but boxes of the *factored* tensor, whose dim ``d`` is that pair: plain splits of
+``d`` on the same placement (on earlier axes) cut the blocks, ``f`` over their ranks, blocked
+ones cut within them. A rank's piece is its factored box, read in row-major order.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+
+from .values import split
 
 
 def balanced_sizes(n: int, k: int) -> tuple:
@@ -21,10 +29,58 @@ def balanced_range(n: int, k: int, i: int) -> tuple:
     return (i * q + min(i, r), q + 1 if i < r else q)
 
 
+def blocked_dims(nd_sbp: tuple) -> dict:
+    """``{dim: blocks}`` of the blocked splits in ``nd_sbp`` (empty for plain layouts)."""
+    return {v.dim: v.blocks for v in nd_sbp if v.is_split and v.blocks > 1}
+
+
+def blocks_problem(shape: tuple, hierarchy: tuple, nd_sbp: tuple, blocks: tuple = ()):
+    """Why ``nd_sbp``'s blocked splits do not describe pieces of ``shape`` (a string), or None.
+
+    Every blocked split of a dim has the same block count ``f``, which divides the dim; plain
+    splits of that dim come on earlier axes and cut whole blocks (their ranks divide ``f``).
+    ``blocks`` (``(dim, f)`` pairs) asks the same of dims to factor that ``nd_sbp`` does not
+    block: whether :func:`factored` with them describes the same pieces."""
+    f_of = dict(blocks)
+    f_of.update(blocked_dims(nd_sbp))
+    for d, f in f_of.items():
+        axes = [(a, v) for a, v in enumerate(nd_sbp) if v.is_split and v.dim == d]
+        if any(v.blocks not in (1, f) for _, v in axes):
+            return f"the splits of dim {d} have different block counts: {nd_sbp!r}"
+        if shape[d] % f:
+            return f"dim {d} of size {shape[d]} does not hold {f} equal blocks"
+        plain = [a for a, v in axes if v.blocks == 1]
+        if any(a > b for a in plain for b, v in axes if v.blocks > 1):
+            return f"a plain split of dim {d} comes after its blocked split: {nd_sbp!r}"
+        cut = numel(hierarchy[a] for a in plain)
+        if f % cut:
+            return f"the plain splits of dim {d} cut its {f} blocks over {cut} ranks"
+    return None
+
+
+@lru_cache(maxsize=4096)
+def factored(shape: tuple, nd_sbp: tuple, blocks: tuple = ()) -> tuple:
+    """``(shape, nd_sbp)`` of the factored tensor: each blocked dim ``d`` (``blocks`` adds
+    ``(dim, f)`` pairs to factor though ``nd_sbp`` does not block them) becomes the pair
+    ``(f, n/f)``, its plain splits cutting the first, its blocked splits the second."""
+    f_of = dict(blocks)
+    f_of.update(blocked_dims(nd_sbp))
+    where, out = {}, []
+    for d, n in enumerate(shape):
+        where[d] = len(out)
+        out += [f_of[d], n // f_of[d]] if d in f_of else [n]
+    nd = tuple(split(where[v.dim] + (v.blocks > 1)) if v.is_split else v for v in nd_sbp)
+    return tuple(out), nd
+
+
 @lru_cache(maxsize=65536)
 def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple, split_range=balanced_range) -> tuple:
     """(start, length) per tensor dim of the piece held at ``coord`` of the hierarchy; splits cut
-    by ``split_range(n, k, i)`` (ours balanced; interop passes DTensor's chunk-style cut)."""
+    by ``split_range(n, k, i)`` (ours balanced; interop passes DTensor's chunk-style cut).
+    Blocked splits have no such box: ValueError (see :func:`factored`)."""
+    if blocked_dims(nd_sbp):
+        raise ValueError(f"piece_ranges: the pieces of {nd_sbp!r} are not boxes of the tensor (a blocked split "
+                         f"takes a part of every block); use the factored layout")
     ranges = [(0, n) for n in shape]
     for axis, v in enumerate(nd_sbp):
         if v.is_split:
@@ -36,7 +92,12 @@ def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple, sp
 
 def piece_shape(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
     """The shape of the piece held at ``coord`` of the hierarchy."""
-    return tuple(l for _, l in piece_ranges(shape, hierarchy, nd_sbp, coord))
+    f_of = blocked_dims(nd_sbp)
+    if not f_of:
+        return tuple(l for _, l in piece_ranges(shape, hierarchy, nd_sbp, coord))
+    fshape, fnd = factored(shape, nd_sbp)
+    lengths = iter(l for _, l in piece_ranges(fshape, hierarchy, fnd, coord))
+    return tuple(next(lengths) * next(lengths) if d in f_of else next(lengths) for d in range(len(shape)))
 
 
 def piece_offset(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:

@@ -1,6 +1,9 @@
 """SBP values: how a logical tensor relates to the piece one rank holds along one placement axis.
 
 ``split(d)``: the tensor is cut along dim ``d`` into balanced parts, one per rank of the axis.
+``split(d, blocks=f)``: dim ``d`` is ``f`` equal blocks laid side by side (a fused ``[q | k | v]``
+weight, or the ``(batch, heads)`` pair a view merged into one dim) and every block is cut into
+balanced parts; a rank holds its part of each block, in block order.
 ``broadcast``: every rank holds the whole tensor.
 ``partial_sum``: every rank holds a tensor of the full shape; the logical tensor is their sum.
 """
@@ -37,29 +40,33 @@ class SbpValue:
 
 
 class Split(SbpValue):
-    """``split(dim)``: each rank of the axis holds a balanced slice along ``dim``."""
-    __slots__ = ("dim",)
+    """``split(dim)``: each rank of the axis holds a balanced slice along ``dim``; with ``blocks=f``
+    > 1, its balanced slice of each of the ``f`` equal blocks of ``dim``, the slices in block order."""
+    __slots__ = ("dim", "blocks")
     is_split = True
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, blocks: int = 1):
         if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
             raise TypeError(f"split(dim): expected an int dim, got {dim!r}")
+        if not isinstance(blocks, numbers.Integral) or isinstance(blocks, bool) or blocks < 1:
+            raise TypeError(f"split(dim, blocks): expected blocks to be an int >= 1, got {blocks!r}")
         object.__setattr__(self, "dim", int(dim))
+        object.__setattr__(self, "blocks", int(blocks))
 
     def __eq__(self, other):
-        return other.__class__ is Split and other.dim == self.dim
+        return other.__class__ is Split and other.dim == self.dim and other.blocks == self.blocks
 
     def __ne__(self, other):
         return not self.__eq__(other)
 
     def __hash__(self):
-        return hash(("S", self.dim))
+        return hash(("S", self.dim)) if self.blocks == 1 else hash(("S", self.dim, self.blocks))
 
     def __reduce__(self):
-        return (Split, (self.dim,))
+        return (Split, (self.dim, self.blocks))
 
     def __repr__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim}, blocks={self.blocks})"
 
 
 class Broadcast(SbpValue):
@@ -104,9 +111,12 @@ class PartialSum(SbpValue):
         return "P"
 
 
-def split(dim: int = 0) -> Split:
-    """``S(dim)``: balanced pieces along ``dim`` (negative dims are counted from the end)."""
-    return Split(dim)
+def split(dim: int = 0, blocks: int = 1) -> Split:
+    """``S(dim)``: balanced pieces along ``dim`` (negative dims are counted from the end).
+
+    ``blocks=f``: ``dim`` holds ``f`` equal blocks side by side, each split on its own (a fused
+    q/k/v weight split per head: ``split(1, blocks=3)`` on GPT-2's ``c_attn`` weight)."""
+    return Split(dim, blocks)
 
 
 broadcast = Broadcast()

@@ -46,13 +46,13 @@ from .pointwise import pointwise_candidates
 
 # -- layer norm ------------------------------------------------------------------------------
 
-@register_rule(aten.native_layer_norm.default)
+@register_rule(aten.native_layer_norm.default, blocked=True)
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     affine = [B for t in (weight, bias) if t is not None]
     return [sig([S(d)] + affine, [S(d)] * 3) for d in range(x.dim() - len(normalized_shape))]
 
 
-@register_rule(aten.native_layer_norm_backward.default)
+@register_rule(aten.native_layer_norm_backward.default, blocked=True)
 def _layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
     present = [t is not None for t in aten.native_layer_norm_backward.default(
         grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask)]

@@ -126,11 +126,11 @@ def _register_all():
         if packet is not None:
             for overload in packet.overloads():
                 op = getattr(packet, overload)
-                register_rule(op, _pointwise(name, op))
+                register_rule(op, _pointwise(name, op), blocked=True)
 
 
 _register_all()
-register_tag_rule(torch.Tag.pointwise, _pointwise(""))
+register_tag_rule(torch.Tag.pointwise, _pointwise(""), blocked=True)
 
 
 def _fill(x, *args, **kwargs):

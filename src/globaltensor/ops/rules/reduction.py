@@ -121,7 +121,8 @@ def _mean_local(op, spec: Reduction):
 
 def _register(ops, spec: Reduction) -> None:
     for op in ops:
-        register_rule(op, reduction_candidates(op, spec), local=_mean_local(op, spec) if spec.divides else None)
+        register_rule(op, reduction_candidates(op, spec), local=_mean_local(op, spec) if spec.divides else None,
+                      blocked=True)
 
 
 _ALL = Reduction(dim_arg=None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import aten, register_rule
+from ...sbp.shape import numel
 from .common import B, P, S, bind, each_dim_kept, norm_dim, sig
 
 
@@ -63,6 +64,32 @@ def _view_candidates(x, size, *rest, **kwargs):
         lead_out = next((d for d in gj if out_shape[d] != 1), gj[0] if gj else None)
         if lead_in is not None and lead_out is not None:
             cands.append(sig([S(lead_in)], [S(lead_out)]))
+        cands += _blocked_groups(tuple(x.shape), out_shape, gi, gj)
+    return cands
+
+
+def _blocked_groups(shape: tuple, out_shape: tuple, gi: list, gj: list) -> list:
+    """A split of a dim that a merge does not lead is a blocked split of the merged dim (its
+    blocks: the dims before it), and a blocked split unmerged at its blocks is a plain split
+    of the dim after them: ``[b, h] S(1) <-> [b*h] S(0, blocks=b)``."""
+    ins = [d for d in gi if shape[d] != 1]
+    outs = [d for d in gj if out_shape[d] != 1]
+    if len(outs) == 1:
+        return [sig([S(i)], [S(outs[0], blocks=numel(shape[d] for d in gi if d < i))]) for i in ins[1:]]
+    if len(ins) == 1:
+        return [sig([S(ins[0], blocks=numel(out_shape[d] for d in gj if d < j))], [S(j)]) for j in outs[1:]]
+    return []
+
+
+def _view_blocked(x, size, *rest, **kwargs):
+    """Where a group is one dim in and one dim out, its split keeps its blocks."""
+    out_shape = tuple(x.reshape(size).shape)
+    cands = []
+    for gi, gj in _dim_groups(tuple(x.shape), out_shape):
+        ins = [d for d in gi if x.shape[d] != 1]
+        outs = [d for d in gj if out_shape[d] != 1]
+        if len(ins) == 1 and len(outs) == 1:
+            cands.append(sig([S(ins[0])], [S(outs[0])]))
     return cands
 
 
@@ -81,7 +108,7 @@ def _local_view(rank, ins, outs, x, size, *rest, **kwargs):
 
 
 register_rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _view_candidates,
-              local=_local_view, check_shapes=True)
+              local=_local_view, check_shapes=True, blocked=_view_blocked)
 
 
 def _expand(x, size, *rest, **kwargs):
@@ -89,30 +116,30 @@ def _expand(x, size, *rest, **kwargs):
     return [sig([S(d)], [S(d + off)]) for d in range(x.dim()) if x.shape[d] != 1] + [sig([P], [P])]
 
 
-register_rule(aten.expand.default, _expand, local=_local_size)
+register_rule(aten.expand.default, _expand, local=_local_size, blocked=True)
 
 
 # -- dim permutations --------------------------------------------------------------------------
 
-@register_rule(aten.transpose.int)
+@register_rule(aten.transpose.int, blocked=True)
 def _transpose(x, d0, d1):
     d0, d1 = norm_dim(d0, x.dim()), norm_dim(d1, x.dim())
     swap = {d0: d1, d1: d0}
     return [sig([S(d)], [S(swap.get(d, d))]) for d in range(x.dim())] + [sig([P], [P])]
 
 
-@register_rule(aten.t.default)
+@register_rule(aten.t.default, blocked=True)
 def _t(x):
     return _transpose(x, 0, 1) if x.dim() == 2 else [sig([P], [P])] + ([sig([S(0)], [S(0)])] if x.dim() else [])
 
 
-@register_rule(aten.permute.default)
+@register_rule(aten.permute.default, blocked=True)
 def _permute(x, dims):
     dims = [norm_dim(d, x.dim()) for d in dims]
     return [sig([S(d)], [S(dims.index(d))]) for d in range(x.dim())] + [sig([P], [P])]
 
 
-@register_rule(aten.unsqueeze.default)
+@register_rule(aten.unsqueeze.default, blocked=True)
 def _unsqueeze(x, dim):
     dim = norm_dim(dim, x.dim() + 1)
     return [sig([S(d)], [S(d if d < dim else d + 1)]) for d in range(x.dim())] + [sig([P], [P])]
@@ -159,7 +186,7 @@ class _Shape:
         return len(self.shape)
 
 
-register_rule([aten.squeeze.dim, aten.squeeze.dims], _squeeze, local=_squeeze_local)
+register_rule([aten.squeeze.dim, aten.squeeze.dims], _squeeze, local=_squeeze_local, blocked=True)
 # squeeze() takes no dims to rewrite: the per-rank check drops splits whose pieces have a size-1 dim.
 register_rule(aten.squeeze.default, _squeeze, check_shapes=True)
 
@@ -201,20 +228,36 @@ def _slice_local(rank, ins, outs, x, *args, **kwargs):
 register_rule(aten.slice.Tensor, _slice, local=_slice_local, check_shapes=True)
 
 
-@register_rule(aten.select.int)
+@register_rule(aten.select.int, blocked=True)
 def _select(x, dim, index):
     dim = norm_dim(dim, x.dim())
     return [sig([S(d)], [S(d - (d > dim))]) for d in range(x.dim()) if d != dim] + [sig([P], [P])]
 
 
-@register_rule([aten.split.Tensor, aten.split_with_sizes.default])
 def _split(x, sizes, dim=0):
+    """Splits of the other dims stay; cutting a dim of ``f`` blocks into its blocks turns
+    ``S(dim, blocks=f)`` into ``S(dim)`` on each (a fused ``[q | k | v]`` into q, k and v)."""
     dim = norm_dim(dim, x.dim())
-    n = len(x.split(sizes, dim))
-    return each_dim_kept(x, n_out=n, linear=True, skip={dim})
+    parts = x.split(sizes, dim)
+    cands = each_dim_kept(x, n_out=len(parts), linear=True, skip={dim})
+    if len(parts) > 1 and len({p.shape[dim] for p in parts}) == 1 and parts[0].shape[dim]:
+        cands.append(sig([S(dim, blocks=len(parts))], [S(dim)] * len(parts)))
+    return cands
 
 
-@register_rule(aten.unbind.int)
+def _split_local(rank, ins, outs, x, sizes, dim=0):
+    """Cutting a blocked dim into its blocks: each rank cuts its piece into its parts of them."""
+    dim = norm_dim(dim, len(ins[0].shape))
+    if not any(v.is_split and v.dim == dim for v in ins[0].nd_sbp):
+        return (x, sizes, dim), {}
+    parts = [o.piece_shape(rank)[dim] for o in outs]
+    return (x, parts if isinstance(sizes, (list, tuple)) else parts[0], dim), {}
+
+
+register_rule([aten.split.Tensor, aten.split_with_sizes.default], _split, local=_split_local, blocked=True)
+
+
+@register_rule(aten.unbind.int, blocked=True)
 def _unbind(x, dim=0):
     """One gather of a split ``dim`` for all the outputs, not one per ``select``."""
     dim = norm_dim(dim, x.dim())
@@ -273,16 +316,18 @@ register_rule(aten.diagonal_backward.default, _diagonal_backward, local=_local_i
 
 # -- joining -----------------------------------------------------------------------------------
 
-@register_rule(aten.cat.default)
+@register_rule(aten.cat.default, blocked=True)
 def _cat(tensors, dim=0):
     ts = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
     nd = ts[0].dim() if ts else 1
     dim = norm_dim(dim, nd)
     keep = [sig([S(d) if t.dim() == nd else B for t in tensors], [S(d)]) for d in range(nd) if d != dim]
+    if len(tensors) > 1 and len({tuple(t.shape) for t in tensors}) == 1 and tensors[0].shape[dim]:
+        keep.append(sig([S(dim)] * len(tensors), [S(dim, blocks=len(tensors))]))   # the blocks of a fused tensor
     return keep + [sig([P] * len(tensors), [P])]
 
 
-@register_rule(aten.stack.default)
+@register_rule(aten.stack.default, blocked=True)
 def _stack(tensors, dim=0):
     nd = tensors[0].dim()
     dim = norm_dim(dim, nd + 1)
