@@ -205,7 +205,8 @@ CASES = {
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
     "torch-op-error": lambda: x84() @ x84(),
-    "cast-device": lambda: x84().to("meta"),        # "cuda" on a machine with CUDA; this one may have none
+    "cast-device": lambda: x84().to("lazy"),        # "cuda" with CUDA; torch refuses it above the dispatcher without
+    "cast-meta": lambda: x84() + torch._efficientzerotensor(8, 4),
     "op-sparse-input": lambda: torch.sparse.mm(torch.eye(8).to_sparse(), x84()),
     "op-sparse-result": lambda: x84().to_sparse(),
     "resize-elements": lambda: x84().resize_(100),
