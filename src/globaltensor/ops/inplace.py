@@ -24,8 +24,12 @@ def written_objects(func, args, kwargs) -> list:
         objs.extend(v if isinstance(v, (list, tuple)) else [v])
     for v in objs:
         if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor):
-            raise TypeError(f"{func}: cannot write a global result into a plain (local) tensor; "
-                            f"make the written tensor global first")
+            raise TypeError(f"{func}: cannot write a global result into a plain (local) tensor; make the written "
+                            f"tensor global first. Torch code that computes into buffers it allocates itself "
+                            f"(torch.empty, then out=) cannot run on global tensors: such as the backward of "
+                            f"torch_nn._linear_cross_entropy_batch_chunked_no_reduction (F.linear_cross_entropy "
+                            f"with options= and reduction='none'); call that without options=, or with "
+                            f"reduction='mean' or 'sum'")
     return objs
 
 
