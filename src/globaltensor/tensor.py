@@ -59,11 +59,28 @@ def observe_creation(observer: Optional[Callable]) -> Optional[Callable]:
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _make_inference_view(cls, shape, **kwargs):
+    """The wrapper of inference pieces made outside ``torch.inference_mode`` -- ``to_global`` of
+    an inference tensor, a view op on an inference global -- an inference tensor too, as torch
+    makes a view of one. Torch checks the bit on the wrapper, above the dispatcher (in-place
+    updates outside inference mode, saving for backward); inside ``__torch_dispatch__`` it never
+    checks the pieces'. (Made under inference mode, the wrapper is an inference tensor anyway.)"""
+    with torch.inference_mode():
+        return _make_wrapper(cls, shape, **kwargs)
+
+
+def _wrapper_maker(piece):
+    return _make_inference_view if piece.is_inference() and not torch.is_inference_mode_enabled() \
+        else _make_wrapper
+
+
 def wrap_result(layout, pieces: dict, device, piece) -> "GlobalTensor":
     """``GlobalTensor(layout, pieces, device=device)`` for an op's fresh result, ``piece`` one of
     its pieces: the same wrapper, built without the constructor's look-ups (the ops' hot path)."""
-    t = _make_wrapper(GlobalTensor, layout.shape, dtype=layout.dtype, device=device,
-                      strides=None if piece.is_contiguous() else _strides_like(piece, layout.shape))
+    # _wrapper_maker, inlined: the hot path
+    make = _make_inference_view if piece.is_inference() and not torch.is_inference_mode_enabled() else _make_wrapper
+    t = make(GlobalTensor, layout.shape, dtype=layout.dtype, device=device,
+             strides=None if piece.is_contiguous() else _strides_like(piece, layout.shape))
     t._layout = layout
     t._pieces = pieces
     if piece.is_conj() or piece.is_neg():
@@ -102,7 +119,7 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False, device=None):
         piece = next(iter(pieces.values()), None)
-        t = torch.Tensor._make_wrapper_subclass(
+        t = (_make_wrapper if piece is None else _wrapper_maker(piece))(
             cls, layout.shape, dtype=layout.dtype, device=device or _device(layout.placement),
             requires_grad=requires_grad,
             strides=None if piece is None or piece.is_contiguous() else _strides_like(piece, layout.shape))

@@ -81,7 +81,7 @@ def _plain(v):
 def run_case(op, sample, recipe, seed) -> str:
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
-    want, random_op, skip = run._reference(op, sample)
+    want, _, random_op, skip = run._reference(op, sample)
     if skip is not None:
         return "skip"
     rng = random.Random(seed)

@@ -9,7 +9,8 @@ compares with the same call on one device. The outcome is one of :data:`CLASSES`
 - ``fallback``: equal, but some aten op ran through the gather-to-broadcast fallback
   (``globaltensor.ops.fallback.taken`` counts it);
 - ``raises``: the global run raised;
-- ``wrong``: it gave another value, shape or dtype -- never acceptable.
+- ``wrong``: it gave another value, shape or dtype, or left another value in an input the op
+  writes (the running statistics of ``native_batch_norm``) -- never acceptable.
 
 Layout recipes (every tensor argument of the sample, each its own random choice):
 
@@ -113,8 +114,9 @@ def _call(op, args, kwargs):
 
 
 def _reference(op, sample):
-    """The single-device result on a copy of the inputs and whether its values are not a function
-    of the inputs (random, uninitialised), or a skip Outcome."""
+    """The single-device result on a copy of the inputs, the inputs it wrote (``{flat index:
+    value after the call}``: ``native_batch_norm``'s running statistics, ``resize_``), and
+    whether its values are not a function of the inputs (random, uninitialised); or a skip Outcome."""
     args, kwargs = _args(sample)
     try:
         copies = tree_map(_same_view, (args, kwargs))     # made outside the mode, which notes empty()
@@ -123,17 +125,21 @@ def _reference(op, sample):
             in_storage = _call(op, *copies)
     except Exception as e:                      # noqa: BLE001 -- any error of the reference
         first = str(e).splitlines()[0][:200] if str(e) else ""
-        return None, False, Outcome("skip", f"the single-device reference raises {type(e).__name__}: {first}")
+        return None, {}, False, Outcome("skip", f"the single-device reference raises {type(e).__name__}: {first}")
     try:
         torch.manual_seed(0)
-        on_copy = _call(op, *tree_map(_clone, (args, kwargs)))
+        cloned = tree_map(_clone, (args, kwargs))
+        on_copy = _call(op, *cloned)
         unchanged = seeded.seen or _same(on_copy, in_storage)
     except Exception:                           # noqa: BLE001 -- it reads beyond a compact copy
         unchanged = False
     if not unchanged:
-        return None, False, Outcome("skip", "the single-device reference changes when run on a copy of its "
-                                            "inputs (it reads storage outside the tensor)")
-    return on_copy, seeded.seen, None
+        return None, {}, False, Outcome("skip", "the single-device reference changes when run on a copy of its "
+                                                "inputs (it reads storage outside the tensor)")
+    written = {i: after for i, (before, after) in enumerate(zip(tree_flatten((args, kwargs))[0],
+                                                               tree_flatten(cloned)[0]))
+               if isinstance(before, torch.Tensor) and not _same(before, after)}
+    return on_copy, written, seeded.seen, None
 
 
 class _SeededOps(TorchDispatchMode):
@@ -200,13 +206,14 @@ def _choose_sbp(t: torch.Tensor, recipe: str, ndim: int, rng: random.Random) -> 
 
 
 def _exact_parts(t: torch.Tensor, k: int, rng: random.Random) -> list:
-    """``k`` tensors summing exactly to ``t``: its bfloat16 rounding, the remainder, zeros."""
+    """``k`` tensors summing exactly to ``t``: its bfloat16 rounding, the remainder, zeros (each
+    its own tensor: an op writing its input writes each rank's piece)."""
     if t.dtype not in (torch.float32, torch.float64) or k == 1:
-        return [t] + [torch.zeros_like(t)] * (k - 1)
+        return [t] + [torch.zeros_like(t) for _ in range(k - 1)]
     head = t.to(torch.bfloat16).to(t.dtype)
     head = torch.where(torch.isfinite(t), head, t)
     rest = torch.where(torch.isfinite(t), t - head, torch.zeros_like(t))
-    parts = [head, rest] + [torch.zeros_like(t)] * (k - 2)
+    parts = [head, rest] + [torch.zeros_like(t) for _ in range(k - 2)]
     rng.shuffle(parts)
     return parts
 
@@ -228,7 +235,7 @@ def lay_out(t: torch.Tensor, placement, nd_sbp: tuple, rng: random.Random) -> Gl
                 key = tuple(c[b] for b in range(placement.ndim) if b != a and not nd_sbp[b].is_broadcast)
                 if key not in groups:
                     groups[key] = _exact_parts(pieces[r], k, random.Random(rng.random()))
-                pieces[r] = groups[key][c[a]]
+                pieces[r] = groups[key][c[a]].clone()     # each rank its own tensor, as in a process world
         x = GlobalTensor(layout, pieces)
     return x.requires_grad_(t.requires_grad) if t.requires_grad else x
 
@@ -294,7 +301,7 @@ def _grads(out, inputs: list, weights: list):
 
 def run_case(op, sample, recipe: str, seed: int) -> Outcome:
     """The outcome of ``op`` on ``sample`` with every tensor argument laid out by ``recipe``."""
-    want, random_op, skip = _reference(op, sample)
+    want, written, random_op, skip = _reference(op, sample)
     if skip is not None:
         return skip
     rng = random.Random(seed)
@@ -330,7 +337,8 @@ def run_case(op, sample, recipe: str, seed: int) -> Outcome:
         try:
             torch.manual_seed(0)
             got = _call(op, g_args, g_kwargs)
-            problem = _mismatch(got, want, "output", random_op)
+            problem = _mismatch(got, want, "output", random_op) or \
+                _mismatch([globals_[i] for i in written], list(written.values()), "written input", random_op)
             if not problem and want_grads is not None:
                 g_inputs = [g for g, v in zip(globals_, flat) if isinstance(v, torch.Tensor) and v.requires_grad]
                 outs = _differentiable(got)

@@ -21,12 +21,12 @@ def _first(name):
                                                   ("bernoulli", False), ("new_empty", False)])
 def test_reference_knows_which_results_are_a_function_of_the_inputs(name, values_defined):
     op, sample, _, _ = _first(name)
-    want, undefined, skip = run._reference(op, sample)
-    assert skip is None and undefined == (not values_defined)
+    want, written, undefined, skip = run._reference(op, sample)
+    assert skip is None and undefined == (not values_defined) and written == {}
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "backward", "written input"])
 def test_a_wrong_answer_is_classified_wrong(where):
     op, sample, recipe, seed = _first("sin")
 
@@ -40,6 +40,11 @@ def test_a_wrong_answer_is_classified_wrong(where):
             return g * 2
 
     def broken(x):
+        if where == "written input":          # a right result; writes its input: wrong when global
+            y = torch.sin(x.detach())
+            with torch.no_grad():
+                x.mul_(3 if getattr(x, "is_global", False) else 2)
+            return y
         if not getattr(x, "is_global", False):
             return torch.sin(x)
         return torch.sin(x) + 1 if where == "forward" else _WrongGrad.apply(x)

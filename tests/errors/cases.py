@@ -33,6 +33,26 @@ def x84():
     return gt.randn(8, 4, placement=p4(), sbp=S(0))
 
 
+_CASES_LIB = []
+
+
+def _accumulating_op():
+    """A user's op that adds its input's column sums into ``total`` besides returning them, with a
+    rule keeping ``total`` broadcast only: a partial ``total`` has no signature that keeps it."""
+    if not _CASES_LIB:
+        lib = torch.library.Library("gt_error_cases", "FRAGMENT")
+        lib.define("accumulate(Tensor x, Tensor(a!) total) -> Tensor")
+
+        def accumulate(x, total):
+            total.add_(x.sum(0))
+            return x.sum(0)
+        lib.impl("accumulate", accumulate, "CPU")
+        lib.impl("accumulate", lambda x, total: x.sum(0), "Meta")
+        _CASES_LIB.append(lib)
+        gt.register_rule(torch.ops.gt_error_cases.accumulate.default, ["S(0), B -> P"])
+    return torch.ops.gt_error_cases.accumulate.default
+
+
 def _assign_split_dim():
     S(0).dim = 1
 
@@ -187,12 +207,12 @@ CASES = {
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
     "torch-op-error": lambda: x84() @ x84(),
-    "cast-device": lambda: x84().to("meta"),        # "cuda" on a machine with CUDA; this one may have none
+    "cast-device": lambda: x84().to("lazy"),        # "cuda" with CUDA; torch refuses it above the dispatcher without
+    "cast-meta": lambda: x84() + torch._efficientzerotensor(8, 4),
     "op-sparse-input": lambda: torch.sparse.mm(torch.eye(8).to_sparse(), x84()),
     "op-sparse-result": lambda: x84().to_sparse(),
     "resize-elements": lambda: x84().resize_(100),
-    "op-writes-layout-unkept": lambda: torch.ops.aten._native_batch_norm_legit(
-        *(gt.distribute(torch.ones(s), p4(), P) for s in ((5, 5, 5), (5,), (5,), (5,), (5,))), True, 0.5, 0.6),
+    "op-writes-layout-unkept": lambda: _accumulating_op()(x84(), gt.distribute(torch.zeros(4), p4(), P)),
     # factories and random numbers
     "factory-size": lambda: gt.zeros(-1, 4, placement=p4(), sbp=B),
     "factory-placement": lambda: gt.ones(4, placement="cpu", sbp=B),

@@ -1,15 +1,17 @@
 """Batch norm (ops/rules/batch_norm.py): batch, spatial and channel splits, 1-D and 2x2
 placements, train and eval, forward and backward, the ``_native_batch_norm_legit*`` ops --
 values and running statistics against one device (float64: exact up to the order of sums),
-per-channel sums as the only communication, no fallback."""
+per-channel sums as the only communication, no fallback; the running statistics in any
+layout (partial, split along the channels), each its own, updated as on one device."""
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import globaltensor as gt
-from globaltensor.sbp import broadcast as B, split as S
+from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
 from harness import PLACEMENTS, make_global, no_fallback
 
 aten = torch.ops.aten
@@ -93,3 +95,71 @@ def test_legit_variants(world4, op):
     for i, (g, w) in enumerate(zip(got, want)):
         if w.numel():                       # eval gives empty saved statistics on one device
             torch.testing.assert_close(g.full_tensor(), w, **TOL, msg=lambda m: f"output {i}: {m}")
+
+
+# -- running statistics in any layout: partial, split along the channels, broadcast ----------------
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+XU = torch.randn(7, 6, 5, dtype=torch.float64, generator=GEN) * 2 - 1      # 7 and 5: uneven splits
+WU, BU = torch.rand(6, dtype=torch.float64, generator=GEN) + 0.5, torch.randn(6, dtype=torch.float64, generator=GEN)
+RM, RV = torch.randn(6, dtype=torch.float64, generator=GEN), torch.rand(6, dtype=torch.float64, generator=GEN) + 0.5
+CALLS = {   # (x, w, b, rm, rv, training) -> the normalised output
+    "batch_norm": lambda x, w, b, m, v, t: F.batch_norm(x, m, v, w, b, training=t, momentum=0.3),
+    "legit": lambda x, w, b, m, v, t: aten._native_batch_norm_legit(x, w, b, m, v, t, 0.3, 1e-5)[0],
+}
+
+
+def _sbp_of(kinds: list, dims: list, ndim: int) -> tuple:
+    return tuple(S(d % ndim) if k == "S" else P if k == "P" else B for k, d in zip(kinds, dims))
+
+
+@FAST
+@given(placement=st.sampled_from(["1d", "2x2"]), call=st.sampled_from(sorted(CALLS)), training=st.booleans(),
+       kinds=st.lists(st.lists(st.sampled_from("SPB"), min_size=2, max_size=2), min_size=5, max_size=5),
+       dims=st.lists(st.integers(0, 2), min_size=2, max_size=2), seed=st.integers(0, 2 ** 16))
+def test_running_statistics_in_any_layout_equal_one_device(placement, call, training, kinds, dims, seed):
+    """Any layout of the input (split along any dim, broadcast) and of the weight, bias and
+    running statistics (split along the channels, partial, broadcast -- each its own): the
+    output, the gradients and the updated running statistics equal one device's, and the
+    running statistics keep their layout. float64: the sums differ from one device's by their
+    order only."""
+    rng = random.Random(seed)
+    n_axes = 1 if placement == "1d" else 2
+    x_sbp = tuple(B if k == "P" else v for k, v in zip(kinds[0], _sbp_of(kinds[0], dims, 3)))[:n_axes]
+    per_channel = [_sbp_of(k, [0, 0], 1)[:n_axes] for k in kinds[1:]]
+    rm, rv = RM.clone(), RV.clone()
+    refs = [t.clone().requires_grad_() for t in (XU, WU, BU)]
+    want = CALLS[call](*refs, rm, rv, training)
+    g = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    (want * g).sum().backward()
+    with gt.simulate(4):
+        pl = PLACEMENTS[placement]()
+        x, w, b = (make_global(t, pl, nd, rng, requires_grad=True)
+                   for t, nd in zip((XU, WU, BU), [x_sbp] + per_channel[:2]))
+        grm, grv = (make_global(t, pl, nd, rng) for t, nd in zip((RM, RV), per_channel[2:]))
+        with no_fallback():
+            y = CALLS[call](x, w, b, grm, grv, training)
+            (y * gt.distribute(g, pl, y.sbp)).sum().backward()
+        torch.testing.assert_close(y.full_tensor(), want, **TOL)
+        for name, got, ref in (("x.grad", x.grad, refs[0].grad), ("w.grad", w.grad, refs[1].grad),
+                               ("b.grad", b.grad, refs[2].grad), ("running_mean", grm, rm), ("running_var", grv, rv)):
+            torch.testing.assert_close(got.full_tensor(), ref, **TOL, msg=lambda m: f"{name}: {m}")
+        assert (grm.sbp, grv.sbp) == tuple(per_channel[2:])
+
+
+@pytest.mark.parametrize("running", [(P,), (S(0),)])
+def test_partial_or_split_running_statistics_move_only_per_channel_sums(world4, running):
+    """Batch-split input, running statistics partial or split along the channels: the update
+    runs on each rank's piece, so the only communication is the batch statistics' all-reduce."""
+    pl = PLACEMENTS["1d"]()
+    x = make_global(X, pl, (S(0),), random.Random(0))
+    rm, rv = (make_global(t, pl, running, random.Random(1)) for t in (torch.zeros(6, dtype=torch.float64),
+                                                                      torch.ones(6, dtype=torch.float64)))
+    want_m, want_v = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    F.batch_norm(X, want_m, want_v, training=True, momentum=0.3)
+    with no_fallback(), gt.comm_stats() as st:
+        F.batch_norm(x, rm, rv, training=True, momentum=0.3)
+    assert st.ops() == ["all_reduce", "all_reduce"] and st.bytes_sent <= 2 * (6 + 6) * 8, (st.ops(), st.bytes_sent)
+    assert rm.sbp == running and rv.sbp == running
+    torch.testing.assert_close(rm.full_tensor(), want_m, **TOL)
+    torch.testing.assert_close(rv.full_tensor(), want_v, **TOL)

@@ -225,3 +225,44 @@ def test_loss_parallel_random_layouts(reduction):
     torch.manual_seed(9)
     x, t = torch.randn(7, 11), _targets(7, 11)
     check_layouts(lambda x, t: F.cross_entropy(x, t, reduction=reduction), x, t, grad=True, trials=4, seed=2)
+
+
+# -- F.linear_cross_entropy: the unchunked path and the chunked one ----------------------------------
+
+LCE_CASES = [("none", False), ("mean", False), ("mean", True), ("sum", True)]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("reduction,chunked", LCE_CASES, ids=[f"{r}-{'chunked' if c else 'plain'}" for r, c in LCE_CASES])
+def test_linear_cross_entropy_equals_one_device(world4, reduction, chunked):
+    """Row-split input and targets, broadcast classifier: loss and gradients as on one device
+    (float64; the chunked op runs on gathered replicas, the unchunked path through its rules)."""
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 3, dtype=torch.float64, generator=g), torch.randn(5, 3, dtype=torch.float64, generator=g)
+    t = torch.randint(0, 5, (7,), generator=g)
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True) if chunked else None
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.linear_cross_entropy(xr, wr, t, reduction=reduction, options=opts)
+    want.sum().backward()
+    gx, gw = gt.distribute(x, p, S(0)).requires_grad_(), gt.distribute(w, p, B).requires_grad_()
+    got = F.linear_cross_entropy(gx, gw, gt.distribute(t, p, S(0)), reduction=reduction, options=opts)
+    got.sum().backward()
+    for a, b in ((got, want), (gx.grad, xr.grad), (gw.grad, wr.grad)):
+        torch.testing.assert_close(a.full_tensor(), b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_chunked_linear_cross_entropy_without_reduction_names_why_its_backward_cannot_run(world4):
+    """Its custom op's backward recomputes the gradients in Python, above the dispatcher, into plain
+    buffers it allocates (torch.empty, then mm(out=)): no rule reaches it. The forward works."""
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    x = gt.distribute(torch.randn(6, 3), p, S(0)).requires_grad_()
+    w = gt.distribute(torch.randn(5, 3), p, B)
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+    t = gt.distribute(torch.randint(0, 5, (6,)), p, S(0))
+    loss = F.linear_cross_entropy(x, w, t, reduction="none", options=opts)
+    torch.testing.assert_close(loss.full_tensor(), F.linear_cross_entropy(x.full_tensor(), w.full_tensor(),
+                                                                          t.full_tensor(), reduction="none"))
+    with pytest.raises(TypeError, match="_linear_cross_entropy_batch_chunked_no_reduction.*without options="):
+        loss.sum().backward()

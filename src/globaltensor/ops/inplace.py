@@ -24,8 +24,12 @@ def written_objects(func, args, kwargs) -> list:
         objs.extend(v if isinstance(v, (list, tuple)) else [v])
     for v in objs:
         if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor):
-            raise TypeError(f"{func}: cannot write a global result into a plain (local) tensor; "
-                            f"make the written tensor global first")
+            raise TypeError(f"{func}: cannot write a global result into a plain (local) tensor; make the written "
+                            f"tensor global first. Torch code that computes into buffers it allocates itself "
+                            f"(torch.empty, then out=) cannot run on global tensors: such as the backward of "
+                            f"torch_nn._linear_cross_entropy_batch_chunked_no_reduction (F.linear_cross_entropy "
+                            f"with options= and reduction='none'); call that without options=, or with "
+                            f"reduction='mean' or 'sum'")
     return objs
 
 
@@ -46,26 +50,28 @@ def returned_inputs(func, args, kwargs, tensors: list) -> dict:
 
 
 def _functional(func):
-    """The out-of-place op of an in-place (``add_``) or out= op, resolved by argument matching."""
+    """The out-of-place op of an in-place (``add_``) or out= op, resolved by argument matching
+    (None: its namespace has none)."""
     name = func.overloadpacket.__name__
-    return getattr(torch.ops.aten, name[:-1] if name.endswith("_") else name)
+    return getattr(getattr(torch.ops, func.namespace), name[:-1] if name.endswith("_") else name, None)
 
 
 def write_back(func, args, kwargs):
     """Run the functional op, then box its result into the written tensor's layout and copy it in.
 
     Ops that write some inputs besides returning their results (``_native_batch_norm_legit``
-    updating the running statistics) have no out-of-place op of their name to run: when no
-    signature keeps the written inputs' layouts, they raise rather than call themselves again."""
+    updating the running statistics, whose rule keeps them in any layout; a user's op with a
+    rule of its own) have no out-of-place op of their name to run: when no signature keeps the
+    written inputs' layouts, they raise rather than call themselves again."""
     target = written_objects(func, args, kwargs)[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
     functional = _functional(func)
-    if functional is func.overloadpacket and not any(a.is_out for a in func._schema.arguments):
+    if functional is None or (functional is func.overloadpacket and not any(a.is_out for a in func._schema.arguments)):
         layouts = ", ".join(f"{t._layout.nd_sbp}" for t in written_objects(func, args, kwargs)
                             if isinstance(t, GlobalTensor))
         raise NotImplementedError(f"{func}: no signature keeps the layouts of the tensors it writes ({layouts}) "
-                                  f"with these inputs; give the written tensors a split or broadcast layout "
-                                  f"(e.g. a partial-sum running statistic: .to_global(sbp=broadcast) first)")
+                                  f"with these inputs; give the written tensors a layout a candidate of the op's rule "
+                                  f"keeps (e.g. .to_global(sbp=broadcast) first), or add such candidates to its rule")
     result = functional(*args, **kwargs)
     result = box(result if isinstance(result, GlobalTensor) else replicate(result, target.placement),
                  target._layout)

@@ -18,6 +18,21 @@ Per placement axis, the input ``[N, C, *spatial]`` may be
   tensors are ``S(0)`` and nothing is communicated.
 - broadcast: everything broadcast.
 
+The running statistics may also be partial sums (``P``) or split along the channel dim
+(``S(0)``) on an axis where the input's channels are whole (batch or spatial split, or
+broadcast), each independently of the other: the update ``r' = (1 - m) * r + m * s`` of a
+running statistic ``r`` from the batch statistic ``s`` (full on every rank, reduced as above)
+runs on each rank's piece of ``r``, with ``m * s`` laid out as ``r`` is -- sliced to the rank's
+channels where ``r`` is split, kept by the first rank of the axis and zero on the others where
+``r`` is partial, so the pieces still sum to the updated statistic. Nothing more is
+communicated. Where eval needs them whole, the running statistics are boxed to the
+per-channel layout first (an all-reduce of a partial one, an all-gather of a split one:
+``C`` floats).
+
+``native_batch_norm`` writes the running statistics in training though its schema does not
+say so: the dispatcher may have boxed them into a copy, so the kernel puts the update back
+into the caller's tensors (boxed to their layout) whenever the copy is not theirs.
+
 The ops run through a ``kernel``: each rank's pieces are normalised with statistics reduced
 over the placement (``kernel`` is called once per call, so the reductions are collectives
 every rank issues in the same order).
@@ -44,17 +59,44 @@ def _training(op, a: dict) -> bool:
         else False
 
 
+_RUNNING = (B, P, S(0))          # a running statistic's SBP on an axis where the channels are whole
+
+
+def _per_axis(x_dim: int, running: tuple) -> list:
+    """``(x sbp, {running statistic: sbp}, the other per-channel tensors' sbp)`` per axis: the
+    input split along a batch or spatial dim or broadcast, the running statistics each in any
+    of ``_RUNNING`` and the weight and bias broadcast; or the input split along the channels,
+    every per-channel tensor ``S(0)``."""
+    whole = [S(d) for d in [0] + list(range(2, x_dim))] + [B]
+    stats = [(m, v) for m in _RUNNING for v in _RUNNING] if running else [()]
+    out = []
+    for xs in whole:
+        for pair in stats:
+            if xs == B and all(v == B for v in pair):
+                continue                            # the all-broadcast signature is always added
+            out.append((xs, dict(zip(running, pair)), B))
+    if x_dim >= 2:
+        out.append((S(1), {n: S(0) for n in running}, S(0)))
+    return out
+
+
+def _running_names(a: dict) -> tuple:
+    return tuple(n for n in ("running_mean", "running_var") if isinstance(a.get(n), torch.Tensor))
+
+
 def _forward_candidates(op):
     def rule(*args, **kwargs):
         a = bind(op, args, kwargs)
         x = a["input"]
         present = [n for n in _TENSORS if isinstance(a.get(n), torch.Tensor)]
-        n_out = 5 if op is aten._native_batch_norm_legit_functional.default else 3
+        running = _running_names(a)
+        functional = op is aten._native_batch_norm_legit_functional.default
         out = []
-        for d in [0] + list(range(2, x.dim())):
-            out.append(sig([S(d)] + [B] * (len(present) - 1), [S(d)] + [B] * (n_out - 1)))
-        if x.dim() >= 2:
-            out.append(sig([S(1)] + [S(0)] * (len(present) - 1), [S(1)] + [S(0)] * (n_out - 1)))
+        for xs, stats, other in _per_axis(x.dim(), running):
+            saved = S(0) if xs == S(1) else B
+            outs = [xs, saved, saved] + ([stats.get(n, B) for n in ("running_mean", "running_var")]
+                                         if functional else [])
+            out.append(sig([xs] + [stats.get(n, other) for n in present[1:]], outs))
         return out
     return rule
 
@@ -66,11 +108,14 @@ def _backward_candidates(*args, **kwargs):
     mask = list(a["output_mask"])
     n_params = sum(mask[1:])
     out = []
-    for d in [0] + list(range(2, x.dim())):
-        params = B if a["train"] else P         # eval: each rank's positions give a partial sum
-        out.append(sig([S(d), S(d)] + [B] * (len(present) - 2), [S(d)] * mask[0] + [params] * n_params))
-    if x.dim() >= 2:
-        out.append(sig([S(1), S(1)] + [S(0)] * (len(present) - 2), [S(1)] * mask[0] + [S(0)] * n_params))
+    for xs, stats, other in _per_axis(x.dim(), _running_names(a)):
+        if xs == S(1):
+            params = S(0)
+        elif xs == B:
+            params = B
+        else:
+            params = B if a["train"] else P         # eval: each rank's positions give a partial sum
+        out.append(sig([xs, xs] + [stats.get(n, other) for n in present[2:]], [xs] * mask[0] + [params] * n_params))
     return out
 
 
@@ -100,38 +145,66 @@ def _reduce_dims(x: torch.Tensor) -> list:
     return [0] + list(range(2, x.dim()))
 
 
+def _per_channel(x_layout: Layout, dtype) -> Layout:
+    """A per-channel tensor ``[C]`` laid out as the input's channels are: ``S(0)`` where they are
+    split, broadcast elsewhere (the layout of the batch statistics once reduced)."""
+    nd = tuple(S(0) if v.is_split and v.dim == 1 else broadcast for v in x_layout.nd_sbp)
+    return Layout((x_layout.shape[1],), dtype, x_layout.placement, nd)
+
+
+def _relayout(pieces: dict, src: Layout, dst: Layout) -> dict:
+    """``{rank: piece}`` of ``src`` boxed to ``dst``."""
+    if src == dst:
+        return pieces
+    return box(GlobalTensor(src, pieces), dst)._pieces
+
+
+def _layouts(func, args, kwargs, ins) -> dict:
+    """The layout each tensor argument runs in, by name."""
+    named = bind(func, args, kwargs)
+    return dict(zip([n for n, v in named.items() if isinstance(v, torch.Tensor)], ins))
+
+
+def _running_whole(local: dict, layouts: dict, x_layout: Layout, name: str) -> dict:
+    """Each rank's pieces of running statistic ``name`` in the per-channel layout eval needs."""
+    lay = layouts[name]
+    return _relayout({r: a[name] for r, a in local.items()}, lay, _per_channel(x_layout, lay.dtype))
+
+
 def _forward_kernel(func, args, kwargs, ins, outs, calls):
     ga = bind(func, args, kwargs)
-    x_layout = ins[0]
+    x_layout, layouts = ins[0], _layouts(func, args, kwargs, ins)
+    local = {r: bind(func, ra, rkw) for r, (ra, rkw) in calls.items()}
+    running = [n for n in ("running_mean", "running_var") if n in layouts]
     if not _training(func, ga):
-        return {r: _eval_pieces(func, bind(func, ra, rkw)) for r, (ra, rkw) in calls.items()}
+        whole = {n: _running_whole(local, layouts, x_layout, n) for n in running}
+        return {r: _eval_pieces(func, a, *(whole[n][r] for n in running)) for r, a in local.items()}
     channels, eps, momentum = x_layout.shape[1], ga["eps"], ga["momentum"]
     count = _numel(x_layout.shape) // max(channels, 1)
-    local = {r: bind(func, ra, rkw) for r, (ra, rkw) in calls.items()}
     acc = {r: torch.float64 if a["input"].dtype == torch.float64 else torch.float32 for r, a in local.items()}
     sums = _all_reduce({r: a["input"].to(acc[r]).sum(_reduce_dims(a["input"]))[None] for r, a in local.items()},
                        x_layout, (1, channels))
     means = {r: sums[r][0] / count for r in local}
     squares = _all_reduce({r: ((a["input"].to(acc[r]) - means[r].reshape(_channel_shape(a["input"]))) ** 2)
                            .sum(_reduce_dims(a["input"]))[None] for r, a in local.items()}, x_layout, (1, channels))
+    variances = {r: squares[r][0] / count for r in local}
     results = {}
     for r, a in local.items():
         x = a["input"]
-        var = squares[r][0] / count
-        invstd = torch.rsqrt(var + eps)
+        invstd = torch.rsqrt(variances[r] + eps)
         shape = _channel_shape(x)
         y = (x.to(acc[r]) - means[r].reshape(shape)) * invstd.reshape(shape)
         if a.get("weight") is not None:
             y = y * a["weight"].reshape(shape)
         if a.get("bias") is not None:
             y = y + a["bias"].reshape(shape)
-        new_stats = _running_update(a, means[r], var, count, momentum,
-                                    in_place=func is not aten._native_batch_norm_legit_functional.default)
-        mean_out, invstd_out = means[r].to(x.dtype), invstd.to(x.dtype)
-        result = (y.to(x.dtype), mean_out, invstd_out)
+        results[r] = (y.to(x.dtype), means[r].to(x.dtype), invstd.to(x.dtype))
+    if running:
+        unbiased = {r: v * (count / max(count - 1, 1)) for r, v in variances.items()}
+        new = [_running_update(ga[n], layouts[n], {r: a[n] for r, a in local.items()}, batch, x_layout, momentum)
+               for n, batch in zip(running, (means, unbiased))]
         if func is aten._native_batch_norm_legit_functional.default:
-            result = result + new_stats
-        results[r] = result
+            results = {r: res + tuple(stat[r] for stat in new) for r, res in results.items()}
     return results
 
 
@@ -142,25 +215,33 @@ def _numel(shape) -> int:
     return n
 
 
-def _running_update(a: dict, mean, var, count: int, momentum: float, in_place: bool) -> tuple:
-    """New running statistics (the unbiased variance, as torch keeps), written ``in_place`` (the
-    functional op returns them instead)."""
-    rm, rv = a.get("running_mean"), a.get("running_var")
-    if rm is None or rv is None:
-        return ()
-    unbiased = var * (count / max(count - 1, 1))
-    new_mean = (1 - momentum) * rm + momentum * mean.to(rm.dtype)
-    new_var = (1 - momentum) * rv + momentum * unbiased.to(rv.dtype)
-    if in_place:
-        with torch.no_grad():
-            rm.copy_(new_mean)
-            rv.copy_(new_var)
-    return new_mean, new_var
+def _running_update(caller, layout: Layout, pieces: dict, batch: dict, x_layout: Layout, momentum: float) -> dict:
+    """``(1 - m) * r + m * s`` on each piece of the running statistic ``r`` (laid out as
+    ``layout``) from the batch statistic ``s`` (``batch``: per-channel, reduced): ``m * s`` is
+    boxed into ``r``'s layout first (sliced where ``r`` is split, kept by one rank where it is
+    partial). Written in place into ``pieces``, and into ``caller`` (the tensor the caller
+    passed) when the dispatcher gave the kernel a boxed copy of it; the functional op returns
+    the new pieces (as torch's, the variance is the unbiased one)."""
+    term = _relayout({r: momentum * s.to(layout.dtype) for r, s in batch.items()},
+                     _per_channel(x_layout, layout.dtype), layout)
+    new = {r: (1 - momentum) * t + term[r] for r, t in pieces.items()}
+    with torch.no_grad():
+        for r, t in pieces.items():
+            t.copy_(new[r])
+        if isinstance(caller, GlobalTensor) and caller._layout != layout:
+            back = _relayout(new, layout, caller._layout)
+            for r, t in caller._pieces.items():
+                t.copy_(back[r])
+        elif not isinstance(caller, GlobalTensor) and any(not v.is_broadcast for v in layout.nd_sbp):
+            for t in _relayout(new, layout, layout.with_sbp((broadcast,) * len(layout.nd_sbp))).values():
+                caller.copy_(t)            # a plain tensor stands for a broadcast one: every rank's value
+    return new
 
 
-def _eval_pieces(func, a: dict) -> tuple:
-    """Eval: the running statistics normalise each piece; the saved mean / inverse std are them."""
-    x, rm, rv, eps = a["input"], a["running_mean"], a["running_var"], a["eps"]
+def _eval_pieces(func, a: dict, rm, rv) -> tuple:
+    """Eval: the running statistics (``rm``, ``rv``: per-channel, whole) normalise each piece;
+    the saved mean / inverse std are them."""
+    x, eps = a["input"], a["eps"]
     shape = _channel_shape(x)
     invstd = torch.rsqrt(rv + eps)
     y = (x - rm.reshape(shape)) * invstd.reshape(shape)
@@ -170,7 +251,7 @@ def _eval_pieces(func, a: dict) -> tuple:
         y = y + a["bias"].reshape(shape)
     out = (y.to(x.dtype), rm.clone(), invstd)
     if func is aten._native_batch_norm_legit_functional.default:
-        out = out + (rm.clone(), rv.clone())
+        out = out + (a["running_mean"].clone(), a["running_var"].clone())
     return out
 
 
@@ -185,8 +266,10 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
         mean = {r: a["save_mean"] for r, a in local.items()}
         invstd = {r: a["save_invstd"] for r, a in local.items()}
     else:
-        mean = {r: a["running_mean"] for r, a in local.items()}
-        invstd = {r: torch.rsqrt(a["running_var"] + ga["eps"]) for r, a in local.items()}
+        layouts = _layouts(func, args, kwargs, ins)
+        mean = _running_whole(local, layouts, x_layout, "running_mean")
+        invstd = {r: torch.rsqrt(v + ga["eps"])
+                  for r, v in _running_whole(local, layouts, x_layout, "running_var").items()}
     xhat = {r: (a["input"] - mean[r].reshape(_channel_shape(a["input"]))) * invstd[r].reshape(
         _channel_shape(a["input"])) for r, a in local.items()}
     sums = {r: torch.stack([a["grad_out"].sum(_reduce_dims(a["grad_out"])),

@@ -35,6 +35,12 @@ def _on_rank_device(rank, ins, outs, *args, **kwargs):
     if device is None:
         return args, kwargs
     placement = ins[0].placement
+    if torch.device(device).type == "meta":
+        raise ValueError("_to_copy / Tensor.to(device='meta'): a global tensor has no meta copy; its meta is "
+                         "global (x.shape, x.dtype, x.layout_meta). torch's ZeroTensor kernels (add, sub, mul, div, "
+                         "linalg_cross) move their operands to 'meta' to infer the result's shape, so a "
+                         "torch._efficientzerotensor cannot meet a global tensor in them: materialise it first "
+                         "(torch.zeros(z.shape, dtype=z.dtype))")
     if torch.device(device).type != placement.type:
         raise ValueError(f"_to_copy / Tensor.to(device=): a global tensor on a {placement.type!r} placement "
                          f"cannot move to device {str(device)!r} by a cast; got device={device!r}. Move it with "
