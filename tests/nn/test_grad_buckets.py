@@ -124,3 +124,36 @@ def test_bucket_bytes_is_checked(p1):
         gnn.distribute_module(net(), p1, {}, bucket_bytes=-1)
     with pytest.raises(ValueError, match="bucket_bytes"):
         gnn.bucket_gradients(net().parameters(), bucket_bytes=1.5)
+
+
+class _Embedded(torch.nn.Module):
+    """Token and position embeddings as in the demo GPT: the position table is looked up with a
+    broadcast index buffer and added to the batch-split token embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos = torch.nn.Embedding(10, 6), torch.nn.Embedding(5, 6)
+        self.head = torch.nn.Linear(6, 3)
+        self.register_buffer("positions", torch.arange(5))
+
+    def forward(self, idx):
+        return self.head(self.tok(idx) + self.pos(self.positions))
+
+
+def test_embedding_gradients_join_the_buckets(p1):
+    """The position table's gradient is ``embedding_dense_backward`` of a partial gradient with a
+    broadcast integer index: it stays partial and joins the bucket (ops/signature_cost.py), rather
+    than being all-reduced on its own inside the backward; the values are those reduced one by one."""
+    idx = gt.distribute(torch.randint(0, 10, (8, 5), generator=torch.Generator().manual_seed(1)), p1, S(0))
+    grads = {}
+    for bucket_bytes in (0, 25 * 2 ** 20):
+        m = gnn.distribute_module(_Embedded().double(), p1, {}, bucket_bytes=bucket_bytes)
+        with gt.comm_stats() as stats:
+            m(idx).square().mean().backward()
+            grads[bucket_bytes] = [(p.grad.sbp, p.grad.full_tensor()) for p in m.parameters()]
+        if bucket_bytes:
+            assert stats.ops() == ["all_reduce"], stats.ops()
+    for (sbp0, v0), (sbp1, v1) in zip(grads[0], grads[25 * 2 ** 20]):
+        assert sbp0 == sbp1 == (B,)
+        assert torch.equal(v0, v1)

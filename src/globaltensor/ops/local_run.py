@@ -38,17 +38,19 @@ class LocalRun:
         self._world = None
 
     def fast(self):
-        """This run, or for the common case -- the aten op on each piece, tensors only in flat
+        """This run, or for the common case -- the aten op on each piece (after the rule's
+        ``local`` rewrite of its arguments, a view's piece shape say), tensors only in flat
         positional arguments, fresh tensors out or an input written in place -- a closure
         doing only that when every input is a global tensor already in its target layout (else
         it takes this run)."""
         flat = self.substitute.flat_indices
         several = self.out_kind in ("tuple", "list") and not self.returns_input
-        if (self.kernel is not None or self.local is not None or flat is None
+        if (self.kernel is not None or flat is None
                 or not (several or self.out_kind == "tensor" and not set(self.returns_input) - {0})):
             return self
-        call, targets, slow = self.call, self.targets, self.__call__
-        out_layout = self.out_layouts[0] if self.out_layouts else None
+        call, local, targets, slow = self.call, self.local, self.targets, self.__call__
+        out_layouts = self.out_layouts
+        out_layout = out_layouts[0] if out_layouts else None
         returned = self.returns_input.get(0)        # an in-place op returns its input
         returned = None if returned is None else flat[returned]
         may_return_self, wrap = self.may_return_self, wrap_result
@@ -67,14 +69,22 @@ class LocalRun:
                 r = self.single
                 for i, _ in pairs:
                     a[i] = args[i]._pieces[r]
-                out = call(*a, **kwargs)
+                if local is None:
+                    out = call(*a, **kwargs)
+                else:
+                    la, lkw = local(r, targets, out_layouts, *a, **kwargs)
+                    out = call(*la, **lkw)
                 results = {r: out}
             else:
                 results = {}
                 for r in self.ranks:
                     for i, _ in pairs:
                         a[i] = args[i]._pieces[r]
-                    out = results[r] = call(*a, **kwargs)
+                    if local is None:
+                        out = results[r] = call(*a, **kwargs)
+                    else:
+                        la, lkw = local(r, targets, out_layouts, *a, **kwargs)
+                        out = results[r] = call(*la, **lkw)
                 if not results:                 # no rank of the placement lives here
                     return slow(args, kwargs)
             if returned is not None:

@@ -17,7 +17,12 @@ once, rather than let the partial sum branch into several such ops that each giv
 result to reduce (the backward of an RMSNorm multiplies a partial gradient by the weight, by
 the normalised input and by the input: three reductions where Megatron has one; reduced at
 the first, the others read its kept copy). Where the output is smaller (``sum(P * B)``,
-``mm(P, B)`` into fewer features) the reduction waits for it.
+``mm(P, B)`` into fewer features) the reduction waits for it. Integer broadcast inputs are
+indices (``embedding_dense_backward(P, ids)``, ``gather``, ``index_select``): they place the
+partial values, as a view does, and do not count as meeting a broadcast tensor (a boolean mask
+does: ``masked_fill(P, mask, 0)`` is ``P * ~mask``) -- so a data-parallel embedding's
+gradient stays partial and joins a gradient bucket instead of being all-reduced on its own,
+blocking, inside the backward.
 
 *Splits made from unsplit inputs.* An op whose inputs are all unsplit on a placement axis
 (broadcast or partial there) may pick a split output: ``add(B, P) -> S(0)`` reduce-scatters
@@ -33,6 +38,8 @@ the backward gives it (:func:`gradient_under`) to the input's own.
 """
 from __future__ import annotations
 
+import torch
+
 from ..boxing import Layout, plan_boxing
 from ..sbp import broadcast, partial_sum
 
@@ -47,7 +54,8 @@ def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
     exact = all(v == u or (u.is_broadcast and v.is_split)          # as they are, or sliced for free
                 for lay, nd in zip(in_layouts, c.inputs) for u, v in zip(lay.nd_sbp, nd))
     owed = {a for a in range(ndim) if not exact or (any(nd[a].is_partial for nd in c.inputs)
-                                                    and any(nd[a].is_broadcast for nd in c.inputs))}
+                                                    and any(nd[a].is_broadcast and _combines(lay)
+                                                            for lay, nd in zip(in_layouts, c.inputs)))}
     total, steps = 0, 0
     for lay, nd in zip(out_layouts, c.outputs):
         back = tuple(broadcast if (v.is_partial and a in owed) or (v.is_split and a not in kept) else v
@@ -57,6 +65,13 @@ def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
             total += plan.bytes
             steps += len(plan.steps)
     return total, steps
+
+
+def _combines(layout: Layout) -> bool:
+    """Whether a broadcast input of this dtype combines with a partial one rather than only placing
+    its values: integer tensors are indices. A boolean mask is a 0/1 factor of the partial values
+    (``masked_fill(P, mask, 0)`` is ``P * ~mask``), so it combines."""
+    return layout.dtype.is_floating_point or layout.dtype.is_complex or layout.dtype == torch.bool
 
 
 def gradient_under(target: Layout, c) -> Layout:
