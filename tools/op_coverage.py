@@ -95,7 +95,7 @@ def render(results: dict, dtensor: dict | None) -> str:
     freq = Counter(f for cases in results.values() for f in {f for _, _, o in cases for f in o.fell_back})
     lines += ["", "Aten ops taken through the fallback, by the number of OpInfo ops that reach them:", "",
               "| aten op | OpInfo ops |", "|---|---|"]
-    lines += [f"| `{f}` | {c} |" for f, c in freq.most_common()]
+    lines += [f"| `{f}` | {c} |" for f, c in sorted(freq.items(), key=lambda fc: (-fc[1], fc[0]))]  # ties by name: a stable table
     listed = expectations.load()
     lines += ["", "Ops that raise, and why (`tests/conformance/expected.json`):", ""]
     lines += [f"- `{x}`: {listed.get(x, ('', 'not listed'))[1]}" for x in sorted(k for k in kinds if kinds[k] == "raises")]

@@ -241,3 +241,20 @@ def test_max_min_dim_backward_scatters_without_fallback():
         assert x.grad.sbp == (S(0), S(0))
         assert "all_gather" not in " ".join(st.ops()), st.ops()
         torch.testing.assert_close(x.grad.full_tensor(), want)
+
+
+@pytest.mark.parametrize("index_sbp", [B, P], ids=["B", "P"])
+@pytest.mark.parametrize("x_sbp", [S(0), S(1), B], ids=["S0", "S1", "B"])
+def test_tensor_split_by_a_global_0dim_tensor_equals_one_device(world4, x_sbp, index_sbp):
+    """torch's C++ kernel of ``tensor_split(x, sections: Tensor)`` reads a 0-dim count with
+    ``item()``: a collective read (ops/scalar_read.py), a partial count summed. (A 1-D index
+    tensor it reads through its data pointer, above the dispatcher: see tests/conformance.)"""
+    p = PLACEMENTS["1d"]()
+    x = make_global(X2, p, (x_sbp,), random.Random(0))
+    sections = make_global(torch.tensor(3), p, (index_sbp,), random.Random(1))
+    with no_fallback():
+        got = torch.tensor_split(x, sections)
+    want = torch.tensor_split(X2, 3)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.full_tensor(), w, rtol=0, atol=0)
