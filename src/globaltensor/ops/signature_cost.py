@@ -19,10 +19,11 @@ the normalised input and by the input: three reductions where Megatron has one; 
 the first, the others read its kept copy). Where the output is smaller (``sum(P * B)``,
 ``mm(P, B)`` into fewer features) the reduction waits for it. Integer broadcast inputs are
 indices (``embedding_dense_backward(P, ids)``, ``gather``, ``index_select``): they place the
-partial values, as a view does, and do not count as meeting a broadcast tensor (a boolean mask
-does: ``masked_fill(P, mask, 0)`` is ``P * ~mask``) -- so a data-parallel embedding's
-gradient stays partial and joins a gradient bucket instead of being all-reduced on its own,
-blocking, inside the backward.
+partial values, as a view does: the output's later reduction is counted in bytes (so a table's
+gradient larger than the rows it comes from is reduced from the rows, now) but not as a
+collective of its own (it joins a gradient bucket), so at equal size the output stays partial:
+a data-parallel embedding's gradient joins the bucket instead of being all-reduced, blocking,
+inside the backward. A boolean mask combines: ``masked_fill(P, mask, 0)`` is ``P * ~mask``.
 
 *Splits made from unsplit inputs.* An op whose inputs are all unsplit on a placement axis
 (broadcast or partial there) may pick a split output: ``add(B, P) -> S(0)`` reduce-scatters
@@ -53,17 +54,19 @@ def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
             if any(lay.nd_sbp[a].is_split and nd[a] == lay.nd_sbp[a] for lay, nd in zip(in_layouts, c.inputs))}
     exact = all(v == u or (u.is_broadcast and v.is_split)          # as they are, or sliced for free
                 for lay, nd in zip(in_layouts, c.inputs) for u, v in zip(lay.nd_sbp, nd))
-    owed = {a for a in range(ndim) if not exact or (any(nd[a].is_partial for nd in c.inputs)
-                                                    and any(nd[a].is_broadcast and _combines(lay)
-                                                            for lay, nd in zip(in_layouts, c.inputs)))}
+    meets = [a for a in range(ndim) if any(nd[a].is_partial for nd in c.inputs)]
+    owed = {a for a in range(ndim) if not exact or (a in meets and any(
+        nd[a].is_broadcast and _combines(lay) for lay, nd in zip(in_layouts, c.inputs)))}
+    indexed = {a for a in meets if a not in owed and any(nd[a].is_broadcast for nd in c.inputs)}
     total, steps = 0, 0
     for lay, nd in zip(out_layouts, c.outputs):
-        back = tuple(broadcast if (v.is_partial and a in owed) or (v.is_split and a not in kept) else v
+        back = tuple(broadcast if (v.is_partial and a in owed | indexed) or (v.is_split and a not in kept) else v
                      for a, v in enumerate(nd))
         if back != nd:
             plan = plan_boxing(lay.with_sbp(nd), lay.with_sbp(back))
             total += plan.bytes
-            steps += len(plan.steps)
+            own = tuple(v if v.is_partial and a in indexed else b for a, (v, b) in enumerate(zip(nd, back)))
+            steps += len(plan_boxing(lay.with_sbp(nd), lay.with_sbp(own)).steps) if own != nd else 0
     return total, steps
 
 
