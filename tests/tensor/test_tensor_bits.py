@@ -33,16 +33,13 @@ USES = {
 }
 
 
-COPY_VIEW = pytest.mark.xfail(strict=True, reason=(
-    "view(-1) of a column split boxes its input, so its pieces are copies, not views of inference "
-    "pieces: the result is a copy-view (ops/viewwrite.py), not an inference tensor, and add_ writes "
-    "back into the base without torch's error (the values end as on one device, which writes "
-    "before it raises)"))
-CASES = [(u, s) for u in sorted(USES) for s in (S(0), B, S(1)) if (u, s) != ("view_add_", S(1))]
+CASES = [(u, s) for u in sorted(USES) for s in (S(0), B, S(1))]
 
 
-@pytest.mark.parametrize("use,sbp", CASES + [pytest.param("view_add_", S(1), marks=COPY_VIEW)])
+@pytest.mark.parametrize("use,sbp", CASES)
 def test_tensor_made_in_inference_mode_behaves_as_on_one_device(p1, use, sbp):
+    """``view(-1)`` of a column split is a blocked split: its pieces are views of the inference
+    pieces, so ``add_`` on it raises torch's error as on one device."""
     with torch.inference_mode():
         plain = X + 0
         glob = gt.distribute(X, p1, sbp) + 0
