@@ -14,15 +14,11 @@ from test_llama import _sent
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_tensor_parallel_step_within_megatrons_bytes(p1, attn):
-    """Attention and the MLP split by heads with no communication. The bytes-first signature cost
-    then finds gathering attention's ``c_proj`` input and 64x64 weight (73,728 bytes a rank) cheaper
-    than all-reducing its 128x64 output (98,304): fewer bytes than Megatron, one more collective
-    per layer. (Gathering wins while the hidden size is below the tokens per step.)"""
+def test_tensor_parallel_step_is_megatrons(p1, attn):
+    """Attention and the MLP split by heads with no communication; each row-parallel layer's
+    output (its bias joining the partial sum) is all-reduced once each way: Megatron's 8."""
     run = train_side_by_side("gpt2", p1, gt.nn.gpt2_plan(make_model("gpt2", attn), 4), B, attn)
-    megatron = megatron_collectives(tp=4)
-    assert _sent(run.records) <= sum(b for _, b in megatron)
-    assert len(run.records) <= len(megatron) + 2
+    assert [(r.op, r.bytes) for r in run.records] == megatron_collectives(tp=4)
 
 
 def test_data_parallel_step_reduces_each_gradient_once(p1):

@@ -47,7 +47,7 @@ from .local_run import LocalRun
 from .out_meta import output_meta
 from .registry import find_rule, on_rules_changed
 from .scalar_read import SCALAR_READS, read_scalar
-from .signature_cost import gradient_under, output_cost
+from .signature_cost import contracting_axes, gradient_under, output_cost
 from .viewwrite import wrap as _views_and_writes
 
 _CACHE: dict = {}
@@ -242,13 +242,15 @@ def _decide(func, args, kwargs, only=None) -> Callable:
         """Bytes to box the inputs; making an input partial also costs the reduction it defers,
         and an input autograd records costs the way back of its gradient."""
         total, steps = 0, 0
+        contracted = contracting_axes(c)
         for lay, nd, grad, kept in zip(in_layouts, c.inputs, recorded, kept_copies):
             target = lay.with_sbp(nd)
             plans = [plan_boxing(lay, target)]
             if kept is not None:                       # a kept boxed copy may be the cheaper start
                 plans = [min(plans[0], plan_boxing(kept, target), key=lambda p: p.bytes)]
-            if any(v.is_partial and not u.is_partial for u, v in zip(lay.nd_sbp, nd)):
-                plans.append(plan_boxing(target, lay))
+            if any(v.is_partial and not u.is_partial and a not in contracted
+                   for a, (u, v) in enumerate(zip(lay.nd_sbp, nd))):
+                plans.append(plan_boxing(target, lay))     # not where the output's reduction sums it too
             if grad:
                 plans.append(plan_boxing(gradient_under(target, c), gradient_layout(lay)))
             total += sum(p.bytes for p in plans)

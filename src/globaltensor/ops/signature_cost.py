@@ -10,9 +10,12 @@ sum itself from split inputs (``mm(S(1), S(0)) -> P``, the row-parallel layer: t
 op's own way) or passes partial inputs on without meeting a broadcast tensor (views, copies,
 casts, ``neg``, ``sum``, ``add(P, P)``: gradients accumulating, one reduction later for all).
 Boxing an input to make a partial output (``mm(P, B)`` as ``(S(1), S(0)) -> P``, after a
-reduce-scatter) leaves the reduction still owed. And an op that meets a partial input with a
-broadcast tensor (``mul(P, B) -> P``) has not saved the reduction but moved it on: when the
-output is the input's size the two tie, and the tie keeps the output unsplit -- reduce now,
+reduce-scatter) leaves the reduction still owed. A broadcast input made partial where the op
+makes its partial sum from split inputs is free and owes nothing of its own: a row-parallel
+``addmm``'s bias joins the partial sum (one rank adds it) and is reduced with it, as in
+Megatron (:func:`contracting_axes`). And an op that
+meets a partial input with a broadcast tensor (``mul(P, B) -> P``) has not saved the
+reduction but moved it on: when the output is the input's size the two tie, and the tie keeps the output unsplit -- reduce now,
 once, rather than let the partial sum branch into several such ops that each give a partial
 result to reduce (the backward of an RMSNorm multiplies a partial gradient by the weight, by
 the normalised input and by the input: three reductions where Megatron has one; reduced at
@@ -52,8 +55,10 @@ def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
     ndim = len(c.outputs[0]) if c.outputs else 0
     kept = {a for a in range(ndim)
             if any(lay.nd_sbp[a].is_split and nd[a] == lay.nd_sbp[a] for lay, nd in zip(in_layouts, c.inputs))}
-    exact = all(v == u or (u.is_broadcast and v.is_split)          # as they are, or sliced for free
-                for lay, nd in zip(in_layouts, c.inputs) for u, v in zip(lay.nd_sbp, nd))
+    contracted = contracting_axes(c)
+    exact = all(v == u or (u.is_broadcast and v.is_split)          # as they are, or sliced for free,
+                or (u.is_broadcast and v.is_partial and a in contracted)   # or a bias joining a partial sum
+                for lay, nd in zip(in_layouts, c.inputs) for a, (u, v) in enumerate(zip(lay.nd_sbp, nd)))
     meets = [a for a in range(ndim) if any(nd[a].is_partial for nd in c.inputs)]
     owed = {a for a in range(ndim) if not exact or (a in meets and any(
         nd[a].is_broadcast and _combines(lay) for lay, nd in zip(in_layouts, c.inputs)))}
@@ -68,6 +73,14 @@ def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
             own = tuple(v if v.is_partial and a in indexed else b for a, (v, b) in enumerate(zip(nd, back)))
             steps += len(plan_boxing(lay.with_sbp(nd), lay.with_sbp(own)).steps) if own != nd else 0
     return total, steps
+
+
+def contracting_axes(c) -> set:
+    """The placement axes on which ``c`` makes a partial output out of split inputs (a matrix
+    product's contraction): a broadcast input made partial there joins that sum, owing nothing."""
+    ndim = len(c.outputs[0]) if c.outputs else 0
+    return {a for a in range(ndim) if any(out[a].is_partial for out in c.outputs)
+            and any(nd[a].is_split for nd in c.inputs)}
 
 
 def _combines(layout: Layout) -> bool:
