@@ -9,8 +9,9 @@ compares with the same call on one device. The outcome is one of :data:`CLASSES`
 - ``fallback``: equal, but some aten op ran through the gather-to-broadcast fallback
   (``globaltensor.ops.fallback.taken`` counts it);
 - ``raises``: the global run raised;
-- ``wrong``: it gave another value, shape or dtype, or left another value in an input the op
-  writes (the running statistics of ``native_batch_norm``) -- never acceptable.
+- ``wrong``: it gave another value, shape or dtype, or left another value in an input (one the
+  op writes, as ``native_batch_norm``'s running statistics, or one it must leave alone) --
+  never acceptable.
 
 Layout recipes (every tensor argument of the sample, each its own random choice):
 
@@ -114,9 +115,10 @@ def _call(op, args, kwargs):
 
 
 def _reference(op, sample):
-    """The single-device result on a copy of the inputs, the inputs it wrote (``{flat index:
-    value after the call}``: ``native_batch_norm``'s running statistics, ``resize_``), and
-    whether its values are not a function of the inputs (random, uninitialised); or a skip Outcome."""
+    """The single-device result on a copy of the inputs, the tensor inputs' values after the call
+    (``{flat index: value}``: changed where the op writes them, ``native_batch_norm``'s running
+    statistics), and whether its values are not a function of the inputs (random,
+    uninitialised); or a skip Outcome."""
     args, kwargs = _args(sample)
     try:
         copies = tree_map(_same_view, (args, kwargs))     # made outside the mode, which notes empty()
@@ -136,10 +138,8 @@ def _reference(op, sample):
     if not unchanged:
         return None, {}, False, Outcome("skip", "the single-device reference changes when run on a copy of its "
                                                 "inputs (it reads storage outside the tensor)")
-    written = {i: after for i, (before, after) in enumerate(zip(tree_flatten((args, kwargs))[0],
-                                                               tree_flatten(cloned)[0]))
-               if isinstance(before, torch.Tensor) and not _same(before, after)}
-    return on_copy, written, seeded.seen, None
+    inputs_after = {i: v for i, v in enumerate(tree_flatten(cloned)[0]) if isinstance(v, torch.Tensor)}
+    return on_copy, inputs_after, seeded.seen, None
 
 
 class _SeededOps(TorchDispatchMode):
@@ -301,7 +301,7 @@ def _grads(out, inputs: list, weights: list):
 
 def run_case(op, sample, recipe: str, seed: int) -> Outcome:
     """The outcome of ``op`` on ``sample`` with every tensor argument laid out by ``recipe``."""
-    want, written, random_op, skip = _reference(op, sample)
+    want, inputs_after, random_op, skip = _reference(op, sample)
     if skip is not None:
         return skip
     rng = random.Random(seed)
@@ -338,7 +338,8 @@ def run_case(op, sample, recipe: str, seed: int) -> Outcome:
             torch.manual_seed(0)
             got = _call(op, g_args, g_kwargs)
             problem = _mismatch(got, want, "output", random_op) or \
-                _mismatch([globals_[i] for i in written], list(written.values()), "written input", random_op)
+                _mismatch([globals_[i] for i in inputs_after], list(inputs_after.values()), "input after the call",
+                          random_op)
             if not problem and want_grads is not None:
                 g_inputs = [g for g, v in zip(globals_, flat) if isinstance(v, torch.Tensor) and v.requires_grad]
                 outs = _differentiable(got)

@@ -88,13 +88,17 @@ def test_legit_variants(world4, op):
         "functional": lambda x, w, b, m, v: aten._native_batch_norm_legit_functional(x, w, b, m, v, True, 0.1, 1e-5),
         "no_training": lambda x, w, b, m, v: aten._native_batch_norm_legit_no_training(x, w, b, m, v + 1, 0.1, 1e-5),
     }
-    want = calls[op](X, W, BIAS, rm.clone(), rv.clone())
+    ref_m, ref_v = rm.clone(), rv.clone()
+    want = calls[op](X, W, BIAS, ref_m, ref_v)
     with no_fallback():
         args = [_lay(t, "1d", (S(0),) if t is X else (B,)) for t in (X, W, BIAS, rm, rv)]
         got = calls[op](*args)
     for i, (g, w) in enumerate(zip(got, want)):
         if w.numel():                       # eval gives empty saved statistics on one device
             torch.testing.assert_close(g.full_tensor(), w, **TOL, msg=lambda m: f"output {i}: {m}")
+    # the running statistics written (legit) or left as they were (functional, no_training)
+    torch.testing.assert_close(args[3].full_tensor(), ref_m, **TOL)
+    torch.testing.assert_close(args[4].full_tensor(), ref_v, **TOL)
 
 
 # -- running statistics in any layout: partial, split along the channels, broadcast ----------------

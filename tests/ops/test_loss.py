@@ -230,10 +230,11 @@ def test_loss_parallel_random_layouts(reduction):
 # -- F.linear_cross_entropy: the unchunked path and the chunked one ----------------------------------
 
 LCE_CASES = [("none", False), ("mean", False), ("mean", True), ("sum", True)]
+LCE_IDS = [f"{r}-{'chunked' if c else 'plain'}" for r, c in LCE_CASES]
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("reduction,chunked", LCE_CASES, ids=[f"{r}-{'chunked' if c else 'plain'}" for r, c in LCE_CASES])
+@pytest.mark.parametrize("reduction,chunked", LCE_CASES, ids=LCE_IDS)
 def test_linear_cross_entropy_equals_one_device(world4, reduction, chunked):
     """Row-split input and targets, broadcast classifier: loss and gradients as on one device
     (float64; the chunked op runs on gathered replicas, the unchunked path through its rules)."""

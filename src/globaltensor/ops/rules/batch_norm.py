@@ -19,8 +19,9 @@ Per placement axis, the input ``[N, C, *spatial]`` may be
 - broadcast: everything broadcast.
 
 The running statistics may also be partial sums (``P``) or split along the channel dim
-(``S(0)``) on an axis where the input's channels are whole (batch or spatial split, or
-broadcast), each independently of the other: the update ``r' = (1 - m) * r + m * s`` of a
+(``S(0)``) on an axis where the input is split along the batch or broadcast, each
+independently of the other (with a spatial split, the input or the statistics are boxed to
+one of these first): the update ``r' = (1 - m) * r + m * s`` of a
 running statistic ``r`` from the batch statistic ``s`` (full on every rank, reduced as above)
 runs on each rank's piece of ``r``, with ``m * s`` laid out as ``r`` is -- sliced to the rank's
 channels where ``r`` is split, kept by the first rank of the axis and zero on the others where
@@ -64,17 +65,15 @@ _RUNNING = (B, P, S(0))          # a running statistic's SBP on an axis where th
 
 def _per_axis(x_dim: int, running: tuple) -> list:
     """``(x sbp, {running statistic: sbp}, the other per-channel tensors' sbp)`` per axis: the
-    input split along a batch or spatial dim or broadcast, the running statistics each in any
-    of ``_RUNNING`` and the weight and bias broadcast; or the input split along the channels,
-    every per-channel tensor ``S(0)``."""
-    whole = [S(d) for d in [0] + list(range(2, x_dim))] + [B]
-    stats = [(m, v) for m in _RUNNING for v in _RUNNING] if running else [()]
-    out = []
-    for xs in whole:
-        for pair in stats:
-            if xs == B and all(v == B for v in pair):
-                continue                            # the all-broadcast signature is always added
-            out.append((xs, dict(zip(running, pair)), B))
+    input split along a batch or spatial dim with everything per-channel broadcast; the input
+    split along the batch or broadcast (data parallelism) with the running statistics each in
+    any of ``_RUNNING`` -- not with every spatial split too, which would square the nd
+    candidates (36 per axis for 4-D inputs, 1296 on a 2x2 placement, against 20 and 400) for
+    layouts a model hardly meets; or the input split along the channels, every per-channel
+    tensor ``S(0)``."""
+    stats = [(m, v) for m in _RUNNING for v in _RUNNING if (m, v) != (B, B)] if running else []
+    out = [(S(d), dict.fromkeys(running, B), B) for d in [0] + list(range(2, x_dim))]
+    out += [(xs, dict(zip(running, pair)), B) for xs in (S(0), B) for pair in stats]
     if x_dim >= 2:
         out.append((S(1), {n: S(0) for n in running}, S(0)))
     return out
@@ -201,10 +200,14 @@ def _forward_kernel(func, args, kwargs, ins, outs, calls):
         results[r] = (y.to(x.dtype), means[r].to(x.dtype), invstd.to(x.dtype))
     if running:
         unbiased = {r: v * (count / max(count - 1, 1)) for r, v in variances.items()}
-        new = [_running_update(ga[n], layouts[n], {r: a[n] for r, a in local.items()}, batch, x_layout, momentum)
+        functional = func is aten._native_batch_norm_legit_functional.default
+        new = [_running_update({r: a[n] for r, a in local.items()}, layouts[n], batch, x_layout, momentum)
                for n, batch in zip(running, (means, unbiased))]
-        if func is aten._native_batch_norm_legit_functional.default:
+        if functional:
             results = {r: res + tuple(stat[r] for stat in new) for r, res in results.items()}
+        else:
+            for n, stat in zip(running, new):
+                _write_running(ga[n], layouts[n], {r: a[n] for r, a in local.items()}, stat)
     return results
 
 
@@ -215,16 +218,21 @@ def _numel(shape) -> int:
     return n
 
 
-def _running_update(caller, layout: Layout, pieces: dict, batch: dict, x_layout: Layout, momentum: float) -> dict:
+def _running_update(pieces: dict, layout: Layout, batch: dict, x_layout: Layout, momentum: float) -> dict:
     """``(1 - m) * r + m * s`` on each piece of the running statistic ``r`` (laid out as
-    ``layout``) from the batch statistic ``s`` (``batch``: per-channel, reduced): ``m * s`` is
-    boxed into ``r``'s layout first (sliced where ``r`` is split, kept by one rank where it is
-    partial). Written in place into ``pieces``, and into ``caller`` (the tensor the caller
-    passed) when the dispatcher gave the kernel a boxed copy of it; the functional op returns
-    the new pieces (as torch's, the variance is the unbiased one)."""
+    ``layout``) from the batch statistic ``s`` (``batch``: per-channel, reduced; the variance
+    the unbiased one, as torch keeps): ``m * s`` is boxed into ``r``'s layout first -- sliced
+    where ``r`` is split, kept by the first rank of the axis and zero on the others where it is
+    partial -- so the new pieces sum to the new statistic."""
     term = _relayout({r: momentum * s.to(layout.dtype) for r, s in batch.items()},
                      _per_channel(x_layout, layout.dtype), layout)
-    new = {r: (1 - momentum) * t + term[r] for r, t in pieces.items()}
+    return {r: (1 - momentum) * t + term[r] for r, t in pieces.items()}
+
+
+def _write_running(caller, layout: Layout, pieces: dict, new: dict) -> None:
+    """Write the updated running statistic into the pieces the kernel was given, and into
+    ``caller`` (the tensor the caller passed) when those were a boxed copy of it
+    (``native_batch_norm``, whose schema does not say it writes them)."""
     with torch.no_grad():
         for r, t in pieces.items():
             t.copy_(new[r])
@@ -235,7 +243,6 @@ def _running_update(caller, layout: Layout, pieces: dict, batch: dict, x_layout:
         elif not isinstance(caller, GlobalTensor) and any(not v.is_broadcast for v in layout.nd_sbp):
             for t in _relayout(new, layout, layout.with_sbp((broadcast,) * len(layout.nd_sbp))).values():
                 caller.copy_(t)            # a plain tensor stands for a broadcast one: every rank's value
-    return new
 
 
 def _eval_pieces(func, a: dict, rm, rv) -> tuple:
