@@ -267,13 +267,19 @@ def _prepare_slice(step: Step, world: World) -> dict:
 
 
 def _slice(step: Step, cuts, pieces, world):
-    return {r: _cut(t, cuts[r]).clone() for r, t in pieces.items()}
+    out = {}
+    for r, t in pieces.items():         # a loop, not a comprehension and _cut: fewer Python calls
+        for d, s, l in cuts[r]:
+            t = t.narrow(d, s, l)
+        out[r] = t.clone()
+    return out
 
 
 def _prepare_to_partial(step: Step, world: World) -> dict:
     """Per rank held here: B->P, whether it keeps the value (the group's first rank); S->P, the
-    piece's shape, the cuts to zero (the slabs either side of its block along the split dim, or
-    the whole piece when the block is not one slab) and the cuts of its block."""
+    piece's shape, whether to zero all of it (when its block is not one slab along one dim), the
+    slabs to zero otherwise (either side of the block along the split dim), as ``(dim, start,
+    length)``, and the cuts of its block."""
     x = step.src.nd_sbp[step.axes[0]]
     out = {}
     for g in step.groups:
@@ -286,12 +292,11 @@ def _prepare_to_partial(step: Step, world: World) -> dict:
             dbox = step.dst.box(r)
             shape = _box_shape(dbox)
             block = _cuts(relative(step.src.box(r), dbox), shape)
+            slabs = ()
             if len(block) == 1:
                 d, s, l = block[0]
-                zero = tuple(((d, a, n),) for a, n in ((0, s), (s + l, shape[d] - s - l)) if n)
-            else:
-                zero = ((),) if block else ()
-            out[r] = (shape, zero, block)
+                slabs = tuple((d, a, n) for a, n in ((0, s), (s + l, shape[d] - s - l)) if n)
+            out[r] = (shape, len(block) > 1, slabs, block)
     return out
 
 
@@ -305,11 +310,15 @@ def _to_partial(step: Step, meta, pieces, world):
         elif how is False:
             out[r] = torch.zeros_like(t)
         else:
-            shape, zero, block = how
-            z = t.new_empty(shape)
-            for c in zero:
-                _cut(z, c).zero_()
-            _cut(z, block).copy_(t)
+            shape, zero_all, slabs, block = how
+            z = b = t.new_empty(shape)
+            if zero_all:
+                z.zero_()
+            for d, s, l in slabs:
+                z.narrow(d, s, l).zero_()
+            for d, s, l in block:
+                b = b.narrow(d, s, l)
+            b.copy_(t)
             out[r] = z
     return out
 
