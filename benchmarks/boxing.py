@@ -6,7 +6,9 @@ For 2 and 4 gloo processes and a 4 MB logical fp32 tensor (1024x1024), the time 
 conversion in globaltensor (``x.to_global(sbp=...)``, ``x`` built once outside the timing),
 DTensor (``redistribute`` on a 1-D DeviceMesh("cpu")) and the raw collective that moves
 the same bytes on preallocated buffers (all_gather_single, all_reduce, all_to_all_single,
-reduce_scatter_single, a slice copy). Then on 4 processes: 2-D conversions (a 2x2
+reduce_scatter_single, a slice copy), with the pack or unpack copy its target piece needs
+(S(0)->S(1) packs column blocks, S(1)->S(0) unpacks them); each raw result is checked
+against globaltensor's piece. Then on 4 processes: 2-D conversions (a 2x2
 placement vs a 2x2 DeviceMesh, raw = the hand-written collective on the sub-groups), and
 moves between placements beside hand-written send/recv (DTensor cannot move a tensor
 between meshes). Every globaltensor result is checked against DTensor's (or the expected
@@ -26,8 +28,8 @@ def _settings(quick: bool) -> dict:
 
 
 ONE_D = ["S(0)->B", "P->B", "S(0)->S(1)", "P->S(0)", "B->S(0)", "S(1)->S(0)", "S(0)->P"]
-RAW_NAME = {"S(0)->B": "all_gather", "P->B": "all_reduce", "S(0)->S(1)": "all_to_all",
-            "P->S(0)": "reduce_scatter", "B->S(0)": "slice copy", "S(1)->S(0)": "all_to_all",
+RAW_NAME = {"S(0)->B": "all_gather", "P->B": "all_reduce", "S(0)->S(1)": "pack+all_to_all",
+            "P->S(0)": "reduce_scatter", "B->S(0)": "slice copy", "S(1)->S(0)": "all_to_all+unpack",
             "S(0)->P": "zero-pad copy"}
 
 
@@ -64,10 +66,12 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
             return DTensor.from_local(full, mesh, [Partial()], run_check=False)
         return distribute_tensor(full, mesh, [dt_pl(name)])
 
-    # raw: the collective alone, inputs pre-arranged; like the others it returns a fresh tensor
-    # and leaves its input intact (an in-place all_reduce works on a fresh copy).
+    # raw: the collective on buffers set up outside the timing, with only the copies the result
+    # needs; like the others it returns a fresh tensor holding the target piece and leaves its
+    # input intact (an in-place all_reduce works on a fresh copy).
     def raw_fn(conv):
         piece0 = full.narrow(0, rank * n, n).contiguous()
+        piece1 = full.narrow(1, rank * n, n).contiguous()
         if conv == "S(0)->B":
             def f():
                 out = torch.empty(size, size)
@@ -80,13 +84,27 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
                 dist.all_reduce(buf)
                 return buf
             return f
-        if conv in ("S(0)->S(1)", "S(1)->S(0)"):
-            send = piece0.clone()
+        if conv == "S(0)->S(1)":
+            # rank j gets the column block j of each row piece: one strided copy packs them (into
+            # a send buffer kept across calls); the blocks received back to back are the result
+            send = torch.empty(world, n, n)
 
             def f():
-                recv = torch.empty_like(send)
+                send.copy_(piece0.view(n, world, n).transpose(0, 1))
+                recv = torch.empty(size, n)
                 dist.all_to_all_single(recv, send)
                 return recv
+            return f
+        if conv == "S(1)->S(0)":
+            # the row blocks of a column piece go as they lie; the blocks received (into a buffer
+            # kept across calls) are the result's column blocks: one strided copy unpacks them
+            recv = torch.empty(world, n, n)
+
+            def f():
+                dist.all_to_all_single(recv, piece1)
+                out = torch.empty(n, size)
+                out.view(n, world, n).copy_(recv.transpose(0, 1))
+                return out
             return f
         if conv == "P->S(0)":
             def f():
@@ -97,8 +115,10 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         if conv == "B->S(0)":
             return lambda: full.narrow(0, rank * n, n).clone()
         if conv == "S(0)->P":
-            def pad():
-                z = full.new_zeros(size, size)
+            def pad():          # zeros either side of the block, the block copied once
+                z = full.new_empty(size, size)
+                z.narrow(0, 0, rank * n).zero_()
+                z.narrow(0, (rank + 1) * n, size - (rank + 1) * n).zero_()
                 z.narrow(0, rank * n, n).copy_(piece0)
                 return z
             return pad
@@ -136,6 +156,9 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         fns = {"gt": lambda: x.to_global(sbp=target), "dt": dt_fn, "raw": raw_fn(conv)}
         if conv == "P->S(0)":
             fns["alt"] = raw_a2a_sum()
+        for k in ("raw", "alt"):
+            if k in fns and not torch.allclose(fns[k](), got.to_local(), rtol=1e-5, atol=1e-4):
+                raise AssertionError(f"{world} ranks {conv}: the raw baseline's result is not the target piece")
         t = H.timed_many(fns, **cfg)
         rows.append(dict(world=world, conv=conv, gt=t["gt"], dt=t["dt"], raw=t["raw"], raw_name=RAW_NAME[conv],
                          note=note))

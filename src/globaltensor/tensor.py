@@ -11,7 +11,9 @@ from typing import Callable, Optional
 import torch
 
 from .boxing import Layout, execute, plan_boxing
+from .boxing.executor import ready
 from .comm import collective_call, get_world
+from .comm import current as _current
 from .comm.profile_context import run_labelled
 from .placement import Placement
 from .sbp import as_nd_sbp, broadcast, check_blocks
@@ -239,6 +241,22 @@ class GlobalTensor(torch.Tensor):
         The gradient comes back in this tensor's layout (partial axes as broadcast) unless
         ``grad_sbp`` names another.
         """
+        if grad_sbp is None and not (self.requires_grad and torch.is_grad_enabled()):
+            try:
+                direct = _directs[id(self._layout), placement, sbp]
+            except (KeyError, TypeError):   # TypeError: an sbp given as a list
+                direct = None
+            if direct is None or direct.world is not _current._world:
+                direct = _Direct.make(self, placement, sbp)
+            return direct.run(self)
+        target = self._target(placement, sbp)
+        grad_layout = None
+        if grad_sbp is not None:
+            grad_layout = self._layout.with_sbp(as_nd_sbp(grad_sbp, self.placement.ndim, self.dim(), "grad_sbp"))
+        return _Box.apply(self, target, grad_layout)
+
+    def _target(self, placement, sbp) -> Layout:
+        """The layout ``to_global(placement, sbp)`` boxes to, checked."""
         placement = self.placement if placement is None else _check_placement(placement)
         if sbp is None:
             if placement.ndim != self.placement.ndim:
@@ -247,11 +265,54 @@ class GlobalTensor(torch.Tensor):
             sbp = self.sbp
         nd = as_nd_sbp(sbp, placement.ndim, self.dim(), "to_global(sbp)")
         check_blocks(self.shape, placement.hierarchy, nd, "to_global(sbp)")
-        target = Layout(tuple(self.shape), self.dtype, placement, nd)
-        grad_layout = None
-        if grad_sbp is not None:
-            grad_layout = self._layout.with_sbp(as_nd_sbp(grad_sbp, self.placement.ndim, self.dim(), "grad_sbp"))
-        return _Box.apply(self, target, grad_layout)
+        return Layout(tuple(self.shape), self.dtype, placement, nd)
+
+
+class _Direct:
+    """``to_global`` from one layout to one target in one world, for a tensor with no graph to
+    record: the target, the plan made ready in the world and the result's device, worked out on
+    the first call, so that later calls pay only their data movement.
+
+    It runs the boxing as ``_Box``'s forward does, grad mode off, but without the autograd
+    Function, which would only add its cost. (Grad mode off matters: a piece may itself require
+    grad -- the local tensor given to ``to_global`` under no_grad.)
+    """
+    __slots__ = ("source", "target", "ready", "world", "device")
+
+    @staticmethod
+    def make(t: GlobalTensor, placement, sbp) -> "_Direct":
+        d = _Direct()
+        d.source = t._layout            # kept: its id is part of the key
+        d.target = t._target(placement, sbp)
+        d.world = get_world()
+        d.ready = None if d.source == d.target else ready(plan_boxing(d.source, d.target), d.world)
+        d.device = d.world.device(d.target.placement.type, d.world.local_ranks[0])
+        if not isinstance(sbp, list):
+            if len(_directs) >= _DIRECTS_MAX:
+                _directs.clear()
+            _directs[id(d.source), placement, sbp] = d
+        return d
+
+    def run(self, t: GlobalTensor) -> GlobalTensor:
+        if self.ready is None:
+            return GlobalTensor(self.target, dict(t._pieces))
+        pieces = t._pieces
+        if t.is_conj() or t.is_neg():   # collectives and slicing copies read the raw data: resolve the bits first
+            pieces = {r: p.resolve_conj().resolve_neg() for r, p in pieces.items()}
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            out = self.ready.run(pieces)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+        piece = next(iter(out.values()), None)
+        if piece is None:               # this process holds no rank of the target placement
+            return GlobalTensor(self.target, out)
+        return wrap_result(self.target, out, self.device, piece)
+
+
+_directs: dict = {}     # (id(source layout), placement, sbp) as given to to_global -> _Direct
+_DIRECTS_MAX = 4096
 
 
 def _pick_rank(rank: Optional[int]) -> int:

@@ -17,19 +17,71 @@ from .plan import Plan, Step
 
 
 def execute(plan: Plan, pieces: dict, world: World) -> dict:
-    if _check.enabled:
-        confirm_boxing(plan, pieces, world)
-    if attribution.on:                  # a comm_profile is open, or boxings are logged
-        return attribution.within_boxing(plan, run_steps, pieces, world)
-    return run_steps(plan, pieces, world)
+    return ready(plan, world).run(pieces)
 
 
-def run_steps(plan: Plan, pieces: dict, world: World) -> dict:
-    for step in plan.steps:
-        if step.is_collective:
-            world.prepare_groups(step.groups)
-        pieces = _RUNNERS[step.op](step, pieces, world)
-    return pieces
+class Ready:
+    """A plan made ready to run in one world: each step's runner and its meta -- what the runner
+    needs that follows from the step and from which ranks this process holds (groups, boxes,
+    cuts, shapes) -- worked out once, so that a conversion already planned pays only its data
+    movement. Making it ready also makes the steps' groups ready, on every rank at the same
+    point of the same program (see World.prepare_groups)."""
+    __slots__ = ("plan", "world", "steps")
+
+    def __init__(self, plan: Plan, world: World):
+        self.plan, self.world = plan, world
+        steps = []
+        for step in plan.steps:
+            if step.is_collective:
+                world.prepare_groups(step.groups)
+            prepare, run = _RUNNERS[step.op]
+            steps.append((step, run, prepare(step, world)))
+        self.steps = tuple(steps)
+
+    def run(self, pieces: dict) -> dict:
+        if _check.enabled:
+            confirm_boxing(self.plan, pieces, self.world)
+        if attribution.on:              # a comm_profile is open, or boxings are logged
+            return attribution.within_boxing(self.plan, self._steps, pieces, self.world)
+        world = self.world
+        for step, run, meta in self.steps:
+            pieces = run(step, meta, pieces, world)
+        return pieces
+
+    def _steps(self, plan: Plan, pieces: dict, world: World) -> dict:
+        for step, run, meta in self.steps:
+            pieces = run(step, meta, pieces, world)
+        return pieces
+
+
+_READY: dict = {}       # (id(plan), id(world)) -> Ready, which keeps both ids in use
+_READY_MAX = 4096
+
+
+def ready(plan: Plan, world: World) -> Ready:
+    """``plan`` made ready to run in ``world`` (made on its first run there, then kept)."""
+    r = _READY.get((id(plan), id(world)))
+    if r is None:
+        if len(_READY) >= _READY_MAX:
+            _READY.clear()
+        r = _READY[(id(plan), id(world))] = Ready(plan, world)
+    return r
+
+
+def _no_meta(step: Step, world: World) -> None:
+    return None
+
+
+def _cuts(rel: tuple, shape: tuple) -> tuple:
+    """``(dim, start, length)`` for each dim where the box ``rel`` does not span ``shape``."""
+    return tuple((d, s, l) for d, ((s, l), n) in enumerate(zip(rel, shape)) if s != 0 or l != n)
+
+
+def _cut(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    """The view of ``t`` that ``cuts`` (see _cuts) select."""
+    for d, s, l in cuts:
+        t = t.narrow(d, s, l)
+    return t
 
 
 def _local(group, world):
@@ -42,25 +94,21 @@ def _skip(step: Step, group, world: World) -> None:
     world.count(step.op, group, {r: b for r, b in step.bytes_per_rank if r in group})
 
 
-def _alone(group, pieces, out) -> bool:
-    """A group of one rank: its piece already is the result (one rank's S, B and P agree)."""
-    if len(group) != 1:
-        return False
-    r = group[0]
-    if r in pieces:
-        out[r] = pieces[r].clone()
-    return True
+def _groups(step: Step, world: World) -> tuple:
+    """``(group, the group's ranks held here)`` for each group of the step."""
+    return tuple((g, tuple(_local(g, world))) for g in step.groups)
 
 
-def _groups_here(step: Step, pieces, world, out):
-    """``(group, the group's ranks held here)`` for each group that needs its collective run here;
-    a group of one rank is settled into ``out``, one held nowhere here is only counted."""
-    for g in step.groups:
-        if _alone(g, pieces, out):
-            continue
-        mine = _local(g, world)
-        if mine:
-            yield g, mine
+def _groups_here(step: Step, groups: tuple, pieces, world, out):
+    """Of ``groups`` (see _groups), those that need their collective run here, with any meta
+    beside them: a group of one rank is settled into ``out`` (its piece already is the result:
+    one rank's S, B and P agree), one held nowhere here is only counted."""
+    for g, mine, *rest in groups:
+        if len(g) == 1:
+            if g[0] in pieces:
+                out[g[0]] = pieces[g[0]].clone()
+        elif mine:
+            yield (g, mine, *rest)
         else:
             _skip(step, g, world)
 
@@ -69,14 +117,20 @@ def _box_shape(box) -> tuple:
     return tuple(l for _, l in box)
 
 
-def _all_gather(step: Step, pieces, world):
+def _prepare_all_gather(step: Step, world: World):
     if not step.axes:
-        return _all_gather_across(step, pieces, world)
+        return None
     dim = step.src.nd_sbp[step.axes[0]].dim
+    return dim, tuple((g, mine, [step.src.box(r)[dim][1] for r in g], _box_shape(step.dst.box(g[0])))
+                      for g, mine in _groups(step, world))
+
+
+def _all_gather(step: Step, meta, pieces, world):
+    if meta is None:
+        return _all_gather_across(step, pieces, world)
+    dim, groups = meta
     out = {}
-    for g, mine in _groups_here(step, pieces, world, out):
-        sizes = [step.src.box(r)[dim][1] for r in g]
-        full = _box_shape(step.dst.box(g[0]))
+    for g, mine, sizes, full in _groups_here(step, groups, pieces, world, out):
         out.update(world.all_gather(g, {r: pieces[r] for r in mine}, dim, sizes, full, step.src.dtype))
     return out
 
@@ -111,105 +165,170 @@ def _all_gather_across(step: Step, pieces, world):
     return out
 
 
-def _reduce_scatter(step: Step, pieces, world):
+def _prepare_reduce_scatter(step: Step, world: World):
     dim = step.dst.nd_sbp[step.axes[0]].dim
+    return dim, tuple((g, mine, [step.dst.box(r)[dim][1] for r in g]) for g, mine in _groups(step, world))
+
+
+def _reduce_scatter(step: Step, meta, pieces, world):
+    dim, groups = meta
     out = {}
-    for g, mine in _groups_here(step, pieces, world, out):
-        sizes = [step.dst.box(r)[dim][1] for r in g]
+    for g, mine, sizes in _groups_here(step, groups, pieces, world, out):
         out.update(world.reduce_scatter(g, {r: pieces[r] for r in mine}, dim, sizes))
     return out
 
 
-def _all_reduce(step: Step, pieces, world):
+def _all_reduce(step: Step, groups, pieces, world):
     out = {}
-    for g, mine in _groups_here(step, pieces, world, out):
+    for g, mine in _groups_here(step, groups, pieces, world, out):
         out.update(world.all_reduce(g, {r: pieces[r] for r in mine}))
     return out
 
 
-def _all_to_all(step: Step, pieces, world):
+def _prepare_all_to_all(step: Step, world: World):
+    """Per group: the block shapes every member sends every member; for each member held here
+    the cuts of its piece it sends (None: an empty block) and how its piece is assembled."""
     src, dst = step.src, step.dst
-    out = {}
-    for g, mine in _groups_here(step, pieces, world, out):
+    zero = (0,) * len(src.shape)
+    out = []
+    for g, mine in _groups(step, world):
         blocks = [[intersect(src.box(s), dst.box(d)) for d in g] for s in g]
-        zero = (0,) * len(src.shape)
         shapes = [[_box_shape(b) if b else zero for b in row] for row in blocks]
+        sends = {s: [_cuts(relative(b, src.box(s)), src.piece_shape(s)) if b else None for b in blocks[i]]
+                 for i, s in enumerate(g) if s in mine}
+        assembly = {d: _assembly(dst.box(d), [blocks[i][j] for i in range(len(g))])
+                    for j, d in enumerate(g) if d in mine}
+        out.append((g, mine, shapes, sends, assembly))
+    return tuple(out)
+
+
+def _all_to_all(step: Step, groups, pieces, world):
+    dtype = step.src.dtype
+    out = {}
+    for g, mine, shapes, sends, assembly in _groups_here(step, groups, pieces, world, out):
         chunks = {}
         for i, s in enumerate(g):
-            if s in mine:
-                sbox = src.box(s)
-                chunks[s] = [take(pieces[s], relative(b, sbox)) if b else pieces[s].new_empty(shapes[i][j])
-                             for j, b in enumerate(blocks[i])]
-        received = world.all_to_all(g, chunks, shapes, src.dtype)
-        for j, d in enumerate(g):
-            if d in mine:
-                out[d] = _assemble(dst.box(d), [(blocks[i][j], received[d][i]) for i in range(len(g))],
-                                   dst.dtype, pieces[d].device)
+            if s in sends:
+                t = pieces[s]
+                chunks[s] = [_cut(t, c) if c is not None else t.new_empty(shapes[i][j])
+                             for j, c in enumerate(sends[s])]
+        received = world.all_to_all(g, chunks, shapes, dtype)
+        for d, how in assembly.items():
+            out[d] = _assemble(how, received[d], dtype, pieces[d].device)
     return out
 
 
-def _assemble(box, parts, dtype, device) -> torch.Tensor:
-    """A piece of ``box`` filled from ``(block box, tensor)`` parts that tile it."""
-    whole = _back_to_back(box, parts, dtype, device)
-    if whole is not None:
-        return whole
-    out = torch.empty(_box_shape(box), dtype=dtype, device=device)
-    for b, t in parts:
-        if b is not None and t.numel():
-            take(out, relative(b, box)).copy_(t)
+def _assembly(box, blocks) -> tuple:
+    """How to fill a piece of ``box`` from parts covering ``blocks`` (boxes, None for an empty part),
+    which tile it: the piece's shape, each part's cuts of the piece (None: an empty part) and, when
+    two or more parts are whole row blocks, the parts' indices in row order (see _back_to_back)."""
+    shape = _box_shape(box)
+    cuts = [_cuts(relative(b, box), shape) if b is not None else None for b in blocks]
+    filled = sorted((i for i, b in enumerate(blocks) if b is not None), key=lambda i: blocks[i][0][0])
+    rows = tuple(filled) if len(filled) >= 2 and all(blocks[i][1:] == box[1:] for i in filled) else None
+    return shape, cuts, rows
+
+
+def _assemble(how: tuple, parts: list, dtype, device) -> torch.Tensor:
+    """A piece filled from ``parts`` (tensors, in the order of the blocks ``how`` was made from)."""
+    shape, cuts, rows = how
+    if rows is not None:
+        whole = _back_to_back(shape, [parts[i] for i in rows], dtype, device)
+        if whole is not None:
+            return whole
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for c, t in zip(cuts, parts):
+        if c is not None:
+            _cut(out, c).copy_(t)
     return out
 
 
-def _back_to_back(box, parts, dtype, device):
-    """The piece as a view of the parts' buffer, when two or more parts are row blocks lying back to
-    back in one storage (a process world's all-to-all receive buffer), else None.
+def _back_to_back(shape: tuple, filled: list, dtype, device):
+    """The piece as a view of the parts' buffer, when the parts (row blocks, in row order) lie back
+    to back in one storage (a process world's all-to-all receive buffer), else None.
 
     Parts that are views of source pieces (a simulated world hands them over as they are) are
     separate storages, so they never pass: a piece never aliases another tensor's piece.
     """
-    filled = sorted(((b, t) for b, t in parts if b is not None and t.numel()), key=lambda bt: bt[0][0][0])
-    if len(filled) < 2 or any(b[1:] != box[1:] for b, _ in filled):
-        return None
-    first = filled[0][1]
+    first = filled[0]
     storage = first.untyped_storage().data_ptr()
     ptr = first.data_ptr()
-    for _, t in filled:
+    for t in filled:
         if (not t.is_contiguous() or t.dtype != dtype or t.device != torch.device(device) or
                 t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage):
             return None
         ptr += t.numel() * t.element_size()
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), _box_shape(box))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
 
 
-def _slice(step: Step, pieces, world):
-    return {r: take(t, relative(step.dst.box(r), step.src.box(r))).clone() for r, t in pieces.items()}
+def _prepare_slice(step: Step, world: World) -> dict:
+    return {r: _cuts(relative(step.dst.box(r), step.src.box(r)), step.src.piece_shape(r))
+            for r in step.src.placement.rank_list() if world.holds(r)}
 
 
-def _to_partial(step: Step, pieces, world):
-    """S->P: each rank pads its block with zeros; B->P: the group's first rank keeps the value."""
+def _slice(step: Step, cuts, pieces, world):
+    out = {}
+    for r, t in pieces.items():         # a loop, not a comprehension and _cut: fewer Python calls
+        for d, s, l in cuts[r]:
+            t = t.narrow(d, s, l)
+        out[r] = t.clone()
+    return out
+
+
+def _prepare_to_partial(step: Step, world: World) -> dict:
+    """Per rank held here: B->P, whether it keeps the value (the group's first rank); S->P, the
+    piece's shape, whether to zero all of it (when its block is not one slab along one dim), the
+    slabs to zero otherwise (either side of the block along the split dim), as ``(dim, start,
+    length)``, and the cuts of its block."""
     x = step.src.nd_sbp[step.axes[0]]
     out = {}
     for g in step.groups:
         for i, r in enumerate(g):
             if not world.holds(r):
                 continue
-            t = pieces[r]
             if x.is_broadcast:
-                out[r] = t.clone() if i == 0 else torch.zeros_like(t)
-            else:
-                dbox = step.dst.box(r)
-                z = t.new_zeros(_box_shape(dbox))
-                take(z, relative(step.src.box(r), dbox)).copy_(t)
-                out[r] = z
+                out[r] = i == 0
+                continue
+            dbox = step.dst.box(r)
+            shape = _box_shape(dbox)
+            block = _cuts(relative(step.src.box(r), dbox), shape)
+            slabs = ()
+            if len(block) == 1:
+                d, s, l = block[0]
+                slabs = tuple((d, a, n) for a, n in ((0, s), (s + l, shape[d] - s - l)) if n)
+            out[r] = (shape, len(block) > 1, slabs, block)
     return out
 
 
-def _copy(step: Step, pieces, world):
+def _to_partial(step: Step, meta, pieces, world):
+    """S->P: each rank pads its block with zeros; B->P: the group's first rank keeps the value."""
+    out = {}
+    for r, how in meta.items():
+        t = pieces[r]
+        if how is True:
+            out[r] = t.clone()
+        elif how is False:
+            out[r] = torch.zeros_like(t)
+        else:
+            shape, zero_all, slabs, block = how
+            z = b = t.new_empty(shape)
+            if zero_all:
+                z.zero_()
+            for d, s, l in slabs:
+                z.narrow(d, s, l).zero_()
+            for d, s, l in block:
+                b = b.narrow(d, s, l)
+            b.copy_(t)
+            out[r] = z
+    return out
+
+
+def _copy(step: Step, meta, pieces, world):
     device = lambda r: world.device(step.dst.placement.type, r)
     return {r: pieces[r].to(device(r), copy=True) for r in step.groups[0] if world.holds(r)}
 
 
-def _broadcast(step: Step, pieces, world):
+def _broadcast(step: Step, meta, pieces, world):
     """Target ranks that hold the (replicated) source keep it; the root feeds the others."""
     device = lambda r: world.device(step.dst.placement.type, r)
     out = {r: pieces[r].to(device(r), copy=True) for r in step.dst.placement.rank_list()
@@ -225,35 +344,51 @@ def _broadcast(step: Step, pieces, world):
     return out
 
 
-def _send_recv(step: Step, pieces, world):
+def _prepare_send_recv(step: Step, world: World) -> tuple:
+    """The cuts of the source piece each transfer sent from here carries; per target rank held here,
+    its device and how its piece is assembled from the transfers it receives (None: a 0-d piece,
+    the one transfer's tensor)."""
     src, dst = step.src, step.dst
-    payload = {i: take(pieces[t.src], relative(intersect(src.box(t.src), dst.box(t.dst)), src.box(t.src)))
-               for i, t in enumerate(step.transfers) if world.holds(t.src)}
-    got = world.send_recv(step.transfers, payload, src.dtype, src.placement.type)
-    out = {}
+    sends = {i: _cuts(relative(intersect(src.box(t.src), dst.box(t.dst)), src.box(t.src)), src.piece_shape(t.src))
+             for i, t in enumerate(step.transfers) if world.holds(t.src)}
+    receives = {}
     for r in dst.placement.rank_list():
-        if not world.holds(r):
-            continue
-        box = dst.box(r)
-        parts = [(intersect(src.box(t.src), box), got[i]) for i, t in enumerate(step.transfers) if t.dst == r]
-        out[r] = _assemble(box, parts, dst.dtype, world.device(dst.placement.type, r)) if box else (
-            parts[0][1].to(world.device(dst.placement.type, r), copy=True))
+        if world.holds(r):
+            box = dst.box(r)
+            mine = [i for i, t in enumerate(step.transfers) if t.dst == r]
+            how = _assembly(box, [intersect(src.box(step.transfers[i].src), box) for i in mine]) if box else None
+            receives[r] = (world.device(dst.placement.type, r), mine, how)
+    return sends, receives
+
+
+def _send_recv(step: Step, meta, pieces, world):
+    sends, receives = meta
+    payload = {i: _cut(pieces[step.transfers[i].src], c) for i, c in sends.items()}
+    got = world.send_recv(step.transfers, payload, step.src.dtype, step.src.placement.type)
+    out = {}
+    for r, (device, mine, how) in receives.items():
+        parts = [got[i] for i in mine]
+        out[r] = _assemble(how, parts, step.dst.dtype, device) if how is not None else parts[0].to(device, copy=True)
     return out
 
 
-def _refactor(step: Step, pieces, world):
-    return {r: t.reshape(step.dst.piece_shape(r)) for r, t in pieces.items()}
+def _prepare_refactor(step: Step, world: World) -> dict:
+    return {r: step.dst.piece_shape(r) for r in step.src.placement.rank_list() if world.holds(r)}
 
 
-_RUNNERS = {
-    "all_gather": _all_gather,
-    "reduce_scatter": _reduce_scatter,
-    "all_reduce": _all_reduce,
-    "all_to_all": _all_to_all,
-    "slice": _slice,
-    "to_partial": _to_partial,
-    "copy": _copy,
-    "broadcast": _broadcast,
-    "send_recv": _send_recv,
-    "refactor": _refactor,
+def _refactor(step: Step, shapes, pieces, world):
+    return {r: t.reshape(shapes[r]) for r, t in pieces.items()}
+
+
+_RUNNERS = {            # op -> (prepare(step, world) -> meta, run(step, meta, pieces, world) -> pieces)
+    "all_gather": (_prepare_all_gather, _all_gather),
+    "reduce_scatter": (_prepare_reduce_scatter, _reduce_scatter),
+    "all_reduce": (_groups, _all_reduce),
+    "all_to_all": (_prepare_all_to_all, _all_to_all),
+    "slice": (_prepare_slice, _slice),
+    "to_partial": (_prepare_to_partial, _to_partial),
+    "copy": (_no_meta, _copy),
+    "broadcast": (_no_meta, _broadcast),
+    "send_recv": (_prepare_send_recv, _send_recv),
+    "refactor": (_prepare_refactor, _refactor),
 }

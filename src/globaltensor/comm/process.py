@@ -225,17 +225,28 @@ class ProcessWorld(World):
             out = torch.empty_like(inputs[order[i_me]])
             self._run("reduce_scatter", group, lambda: dist.reduce_scatter(out, inputs, group=pg))
             return {me: out}
-        # gloo: an all-to-all of the parts and a local sum beats its reduce-scatter.
-        shapes = []
-        for s in sizes:
-            shp = list(x.shape)
-            shp[dim] = s
-            shapes.append(tuple(shp))
-        recv = self._all_to_all(group, {me: list(torch.split(x, list(sizes), dim=dim))},
-                                [[shapes[j] for j in range(len(group))] for _ in group], x.dtype)[me]
-        out = torch.add(recv[0], recv[1]) if len(recv) > 1 else recv[0].clone()  # one pass, no clone
-        for t in recv[2:]:
+        # gloo: an all-to-all of the parts and a local sum beats its reduce-scatter. The parts
+        # received are summed straight into the result, so they go to a scratch buffer. A rank
+        # first or last in the group's rank order (either of 2) leaves its own part out of the
+        # exchange and adds it from x, which saves gloo's copy of that part to itself (and the
+        # others' parts of a dim-0 split still lie back to back in x); x contiguous, so the sum
+        # comes out contiguous all the same.
+        parts = list(torch.split(x, list(sizes), dim=dim))
+        shape = list(x.shape)
+        shape[dim] = sizes[i_me]
+        own_here = len(group) > 1 and x.is_contiguous() and order[i_me] in (0, len(group) - 1)
+        received = [tuple(shape)] * len(group)
+        if own_here:
+            parts[i_me] = x.new_empty(0)
+            received[i_me] = (0,)
+        recv = _scratch.take(numel(shape) * (len(group) - int(own_here)), x.dtype, x.device)
+        got = self._exchange(group, parts, received, x.dtype, recv)
+        if own_here:
+            got[i_me] = x.narrow(dim, sum(sizes[:i_me]), sizes[i_me])
+        out = torch.add(got[0], got[1]) if len(got) > 1 else got[0].clone()  # one pass, no clone
+        for t in got[2:]:
             out.add_(t)
+        _scratch.give(recv)
         return {me: out}
 
     def _all_reduce(self, group, pieces):
@@ -290,21 +301,32 @@ class ProcessWorld(World):
 
     def _all_to_all(self, group, chunks, shapes, dtype):
         me = self.rank
-        pg, order = self._pg(group)
         i_me = group.index(me)
         mine = chunks[me]
-        device = mine[0].device
-        # One flat buffer each way, in group-rank order: gloo's list all_to_all needs every
-        # tensor to have the same shape, its all_to_all_single takes uneven split sizes.
+        received = [shapes[j][i_me] for j in range(len(group))]
+        recv = torch.empty(sum(numel(s) for s in received), dtype=dtype, device=mine[0].device)
+        return {me: self._exchange(group, mine, received, dtype, recv)}
+
+    def _exchange(self, group, mine, received, dtype, recv) -> list:
+        """Send ``mine[j]`` to member j and receive, into the flat ``recv``, a tensor of
+        ``received[j]`` from each member j; returns those, as views of ``recv``, in group order.
+
+        One flat buffer each way, in group-rank order: gloo's list all_to_all needs every
+        tensor to have the same shape, its all_to_all_single takes uneven split sizes. Chunks
+        that need packing are packed into a scratch send buffer (see _pack).
+        """
+        pg, order = self._pg(group)
         by_group_rank = sorted(range(len(group)), key=lambda j: order[j])
         send_sizes = [mine[j].numel() for j in by_group_rank]
-        send = _pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, device)
-        recv_sizes = [numel(shapes[j][i_me]) for j in by_group_rank]
-        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        send, scratch = _pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, recv.device)
+        recv_sizes = [numel(received[j]) for j in by_group_rank]
+        flat = recv[:sum(recv_sizes)]
         self._run("all_to_all", group,
-                  lambda: dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg))
-        parts = dict(zip(by_group_rank, torch.split(recv, recv_sizes)))
-        return {me: [parts[j].view(shapes[j][i_me]) for j in range(len(group))]}
+                  lambda: dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg))
+        if scratch is not None:
+            _scratch.give(scratch)
+        parts = dict(zip(by_group_rank, torch.split(flat, recv_sizes)))
+        return [parts[j].view(received[j]) for j in range(len(group))]
 
     def _broadcast(self, group, src, pieces, shape, dtype, device_type):
         me = self.rank
@@ -336,12 +358,13 @@ class ProcessWorld(World):
         return out
 
 
-def _pack(chunks, total: int, dtype, device) -> torch.Tensor:
-    """The chunks as one flat send buffer, in order, with at most one copy of each.
+def _pack(chunks, total: int, dtype, device) -> tuple:
+    """The chunks as one flat send buffer, in order, with at most one copy of each; and the
+    scratch buffer it lies in, to give back once sent (None when there is none).
 
     Chunks that are consecutive contiguous views of one storage (the parts of a dim-0 split)
     are sent as they lie, without a copy; others (column blocks) are copied once straight
-    into the buffer (``reshape(-1)`` then ``cat`` would copy them twice).
+    into a scratch buffer (``reshape(-1)`` then ``cat`` would copy them twice).
     """
     nonempty = [c for c in chunks if c.numel()]
     if nonempty and all(c.is_contiguous() for c in nonempty):
@@ -352,12 +375,52 @@ def _pack(chunks, total: int, dtype, device) -> torch.Tensor:
                 break
             ptr += c.numel() * c.element_size()
         else:
-            return base.as_strided((total,), (1,), base.storage_offset())
-    send = torch.empty(total, dtype=dtype, device=device)
+            return base.as_strided((total,), (1,), base.storage_offset()), None
+    scratch = _scratch.take(total, dtype, device)
+    send = scratch[:total]
     offset = 0
     for c in chunks:
         n = c.numel()
         if n:
             send[offset:offset + n].view(c.shape).copy_(c)
         offset += n
-    return send
+    return send, scratch
+
+
+class _Scratch:
+    """Flat buffers kept for a collective's temporaries on cpu: the send buffer chunks are packed
+    into, the receive buffer of parts summed into the result. Each is done with when its
+    collective returns; allocated afresh, a multi-megabyte buffer freed at once makes glibc hand
+    its pages back and fault them in again on the next call (measured: a 2 MB all-to-all paid
+    ~160 page faults and ~40% of its time for it). cuda tensors come from torch's caching
+    allocator, which already reuses memory. Thread-safe: ``list.pop`` and ``append`` are atomic,
+    so two threads never hold one buffer (a compiled graph's streams run collectives on theirs).
+    At most ``KEEP`` buffers of up to ``MAX_BYTES`` each are kept per dtype.
+    """
+    KEEP = 2
+    MAX_BYTES = 64 << 20
+
+    def __init__(self):
+        self._free = {}
+
+    def take(self, n: int, dtype, device) -> torch.Tensor:
+        """A flat buffer of at least ``n`` elements (its first ``n`` are the ones to use)."""
+        if device.type != "cpu":
+            return torch.empty(n, dtype=dtype, device=device)
+        try:
+            buf = self._free.get(dtype, []).pop()
+        except IndexError:
+            buf = None
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        """``buf`` (from ``take``) is free again."""
+        if buf.device.type == "cpu" and buf.numel() * buf.element_size() <= self.MAX_BYTES:
+            free = self._free.setdefault(buf.dtype, [])
+            if len(free) < self.KEEP:
+                free.append(buf)
+
+
+_scratch = _Scratch()

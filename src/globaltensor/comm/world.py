@@ -51,13 +51,9 @@ class Transfer:
     shape: tuple
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _slab_bytes(shape: tuple, dim: int, dtype) -> int:
     """Bytes of one index along ``dim``."""
-    return numel(shape[:dim] + shape[dim + 1:]) * _itemsize(dtype)
+    return numel(shape[:dim] + shape[dim + 1:]) * dtype.itemsize
 
 
 def all_reduce_bytes(group: tuple, numel: int, itemsize: int) -> Dict[int, int]:
@@ -154,7 +150,7 @@ class World(ABC):
 
         ``shapes[i][j]`` is the shape member i sends member j, known on every process.
         """
-        size = _itemsize(dtype)
+        size = dtype.itemsize
         stats.record("all_to_all", group, {
             r: sum(numel(shapes[i][j]) for j in range(len(group)) if j != i) * size for i, r in enumerate(group)})
         return _run("all_to_all", self, (group, chunks, shapes, dtype),
@@ -162,7 +158,7 @@ class World(ABC):
 
     def broadcast(self, group: tuple, src: int, pieces: Pieces, shape: tuple, dtype, device_type: str) -> Pieces:
         """Every member gets ``src``'s tensor of ``shape``; ``pieces`` holds ``src``'s tensor if it is here."""
-        stats.record("broadcast", group, {src: numel(shape) * _itemsize(dtype)} if len(group) > 1 else {src: 0})
+        stats.record("broadcast", group, {src: numel(shape) * dtype.itemsize} if len(group) > 1 else {src: 0})
         return _run("broadcast", self, (group, src, pieces, shape, dtype, device_type),
                     lambda: self._broadcast(group, src, pieces, shape, dtype, device_type))
 
@@ -173,7 +169,7 @@ class World(ABC):
         Returns index -> received tensor, for the transfers whose dst lives here. Transfers
         with src == dst are handed over without communication.
         """
-        size = _itemsize(dtype)
+        size = dtype.itemsize
         sent: Dict[int, int] = {}
         for t in transfers:
             if t.src != t.dst:
