@@ -28,7 +28,7 @@ from typing import Dict, Iterable, Iterator, Optional
 
 import torch
 
-from ..sbp import split
+from ..sbp import blocks_problem, split
 from ..tensor import GlobalTensor
 
 _raw_grad = torch._C.TensorBase.grad   # the accumulated gradient as autograd stored it (no boxing)
@@ -36,14 +36,17 @@ _raw_grad = torch._C.TensorBase.grad   # the accumulated gradient as autograd st
 
 def shard_sbp(t: GlobalTensor, axis: int) -> tuple:
     """The nd-SBP of ``t``'s optimizer shard: broadcast on ``axis`` becomes a split of the largest dim
-    no other axis splits (else of the largest dim); other axes keep their SBP. 0-dim tensors stay."""
+    no other axis splits (else of the largest dim); other axes keep their SBP. 0-dim tensors stay,
+    and so does a tensor whose only dims to cut are blocked in a way a plain split cannot join
+    (``S(0, blocks=3)`` on another axis, cut over 2 ranks here)."""
     nd = tuple(t.sbp)
     if not nd[axis].is_broadcast or t.dim() == 0:
         return nd
     taken = {v.dim for a, v in enumerate(nd) if a != axis and v.is_split}
     free = [d for d in range(t.dim()) if d not in taken] or list(range(t.dim()))
     d = max(free, key=lambda k: (t.shape[k], -k))
-    return tuple(split(d) if a == axis else v for a, v in enumerate(nd))
+    sharded = tuple(split(d) if a == axis else v for a, v in enumerate(nd))
+    return nd if blocks_problem(tuple(t.shape), t.placement.hierarchy, sharded) else sharded
 
 
 class _ShardState(dict):
