@@ -4,7 +4,7 @@
     make bench
 
 The measures come from the benchmark scripts' workers (boxing.py, eager_overhead.py, tp_mlp.py,
-hybrid_gpt.py, actor_runtime.py), each run once in its own processes ("jobs"), and models.py's
+hybrid_gpt.py, actor_runtime.py, subclass_floor.py), each run once in its own processes ("jobs"), and models.py's
 counts on simulated ranks in this process; in order, with a progress line as each starts and ends. A job that fails gives its rows as n/a; the others still
 run. Adding a measure is one entry of ``MEASURES``: the job it reads and a function of that job's
 result giving its rows. Ratios are ours / peer, paired per round (the median over rounds of the
@@ -27,6 +27,7 @@ import consistency_check
 import eager_overhead
 import hybrid_gpt
 import models
+import subclass_floor
 import tp_mlp
 
 MB4 = 1024                      # boxing: a 1024 x 1024 fp32 tensor, 4 MB
@@ -39,6 +40,8 @@ JOBS = {
     "boxing4": ("1-D boxing of 4 MB, 4 processes", lambda q: H.spawn(boxing._worker, 4, MB4, q, False)),
     "tp": ("TP MLP step, 2 processes", lambda q: H.spawn(tp_mlp._worker, 2, q, "sq", 3)),
     "dp": ("DP GPT step, 2 processes", lambda q: H.spawn(actor_runtime._worker_dp, 2, q)),
+    "floor": ("DP GPT step of one rank, plain / thin subclass / gt, 1 process",
+              lambda q: H.spawn(subclass_floor._worker, 1, q)),
     "hybrid": ("2x2 hybrid GPT step, 4 processes", lambda q: H.spawn(hybrid_gpt._worker, 4, q)),
     "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
     "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
@@ -129,6 +132,15 @@ def model_rows(rows_in) -> list:
     return out
 
 
+def floor_rows(res) -> list:
+    """What any Python tensor subclass pays on one data-parallel rank's step (a floor to know, not
+    a goal: the DP step's goal is against DDP, which runs no Python per op)."""
+    t = res["times"]
+    return [[f"DP GPT step of one rank (1 proc): {k} vs {peer}", f"{H.fmt(t[k])} ms", f"{peer} {H.fmt(t[peer])} ms",
+             f"{H.paired_ratio(t[k], t[peer]):.3f}x", "floor, no goal", "-"]
+            for k, peer in (("thin", "plain"), ("gt", "plain"), ("gt", "thin"))]
+
+
 def check_rows(res) -> list:
     """What gt.set_check(True) costs per op (a cost to know, not a goal: the check is off by default)."""
     return [[f"consistency check on, {r['op']} (2 procs)", f"{H.fmt(r['on'], 1e6, 1)} us",
@@ -139,6 +151,7 @@ def check_rows(res) -> list:
 MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step, eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
+    Measure("floor", floor_rows),
     Measure("hybrid", step_row("2x2 hybrid GPT step, eager (4 procs)", "gt", "hand", "DDP+Megatron", 1.1)),
     Measure("boxing2", boxing_rows),
     Measure("boxing4", boxing_rows),
