@@ -18,6 +18,12 @@ of the dims it does not window; ``diagonal`` keeps the splits of the dims it doe
 the diagonal of. Their backward ops (``unfold_backward``, ``diagonal_backward``) keep the
 same splits, with the input's size rewritten to the rank's piece shape.
 
+A split of a merged dim that does not lead its group is kept as a blocked split of the merged
+dim (``[b, h] S(1) -> [b*h] S(0, blocks=b)``: torch.matmul's reshape of split attention
+heads), and unmerging at the blocks gives the plain split back; a group of one dim keeps its
+split's blocks. ``cat`` of equal split tensors along their split dim is a blocked split
+(``[q | k | v]``), and ``split`` into the blocks hands each out plainly split.
+
 Every view is linear, so ``P -> P`` everywhere. The in-place forms that change a tensor's
 metadata (``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_``) take their SBP from these
 rules (ops/inplace_view.py).
