@@ -528,8 +528,8 @@ def _report_pp_cpu(cpu, summary):
                   "## 4. Forward pipeline: CPU per call by thread (medians over rounds)"))
     print()
     more, alone = max(extra)
-    summary.append(["4. forward pipeline: CPU of the threads beside the compute (more loaded rank)", f"{H.fmt(more)} ms",
-                    f"stage alone {H.fmt(alone)} ms", f"{more / alone:.3f}x", "-", "-"])
+    summary.append(["4. forward pipeline: CPU of the threads beside the compute (more loaded rank)",
+                    f"{H.fmt(more)} ms", f"stage alone {H.fmt(alone)} ms", f"{more / alone:.3f}x", "-", "-"])
 
 
 def main(argv=None) -> int:

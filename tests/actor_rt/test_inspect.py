@@ -152,7 +152,8 @@ def test_trace_to_draws_a_streams_waits_before_the_firing_they_held_back(p1, tmp
         torch.testing.assert_close(out.full_tensor(), (torch.tanh(x @ w @ w) + 1.0).full_tensor())
     with open(g.trace_to(str(tmp_path / "trace.json"))) as f:
         events = json.load(f)["traceEvents"]
-    thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+                    if e["ph"] == "M" and e["name"] == "thread_name"}
     fired = {(e["name"], e["args"]["iteration"]): e for e in events if e["ph"] == "X" and e["cat"] == "task"}
     waits = [e for e in events if e["ph"] == "X" and e["cat"] == "wait"]
     plan = g.plan
