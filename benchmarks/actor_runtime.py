@@ -21,7 +21,9 @@ checks that the compiled version computes what its peer computes before it is ti
    all forwards, then all backwards, then SGD once); (b) forward only, ``g.pipeline`` of 16
    micro-batch calls. Efficiency = (sum over stages of that stage's work done sequentially in
    plain torch, for all micro-batches) / p / measured time; the bubble-limited ideal is
-   m / (m + p - 1) = 16/17. Goal: efficiency >= 90% of the ideal.
+   m / (m + p - 1) = 16/17. Goal: efficiency >= 90% of the ideal. Beside it, where the forward
+   pipeline's CPU goes: each thread kind's CPU per call (the compute thread, the graph's stream
+   threads, gloo's event loop, the arrivals board, the store), next to the stage run alone.
 5. memory: ``measure_memory=True`` compiles of the same functions (separate from the timed
    ones): the registers' measured peak bytes <= ``g.plan.memory_bound``.
 """
@@ -353,14 +355,22 @@ def _worker_pp(rank: int, world: int, quick: bool, check_steps: int = 4):
         for _ in range(cfg["warmup"]):
             f()
     rounds = []                                    # per round: compiled train, my stage, pipeline fwd, my stage fwd
+    cpu = {"fwd": [], "stage": []}                 # per round: this process's CPU seconds by thread kind
     for _ in range(cfg["repeats"]):
         row = []
         for f in (lambda: train(gx, gtgt), stage_train, fwd_run, stage_fwd):
             dist.barrier()
+            before = _thread_cpu() if f in (fwd_run, stage_fwd) else None
             t0 = time.perf_counter()
             f()
             row.append(time.perf_counter() - t0)
+            if before is not None:
+                after = _thread_cpu()
+                cpu["fwd" if f is fwd_run else "stage"].append(
+                    {k: after[k] - before.get(k, 0.0) for k in after if after[k] > before.get(k, 0.0)})
         rounds.append(row)
+    cpu_every = [None] * world
+    dist.all_gather_object(cpu_every, cpu)
     mine = torch.tensor(rounds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
@@ -375,7 +385,33 @@ def _worker_pp(rank: int, world: int, quick: bool, check_steps: int = 4):
     with torch.no_grad():
         mem["fwd"] = _memory(mf, [lambda: mf.pipeline(xs)] * 3)
     return dict(rounds=every.tolist(), losses=losses, mem=mem, plan=repr(train.plan).splitlines()[0],
-                fwd_plan=repr(fwd.plan).splitlines()[0])
+                fwd_plan=repr(fwd.plan).splitlines()[0], cpu=cpu_every)
+
+
+def _thread_cpu() -> dict:
+    """This process's CPU seconds so far by thread kind (Linux: /proc/self/task/*/schedstat; {}
+    elsewhere): "compute" (this, the calling thread: the caller runs the compute stream), the
+    graphs' stream threads, gloo's event loop, the arrivals board's publisher, the store's server."""
+    import threading
+    if not os.path.isdir("/proc/self/task"):
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    me = threading.get_native_id()
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:                            # the thread ended meanwhile
+            continue
+        name = names.get(int(tid), comm)
+        kind = ("compute" if int(tid) == me else "stream threads" if name.startswith("gt-actor") else
+                "gloo" if comm.startswith("gloo") else "arrivals board" if name == "gt-arrivals" else
+                "store" if "tcpstore" in comm else "other")
+        out[kind] = out.get(kind, 0.0) + ns / 1e9
+    return out
 
 
 # ------------------------------------------------------------------------------------ report
@@ -466,10 +502,34 @@ def _report_pp(res, summary):
     print("losses of the first steps (must agree): " + "; ".join(
         f"{k} " + " ".join(f"{v:.6f}" for v in ls[k]) for k in ls))
     print(f"compiled training graph: {res['plan']}\ncompiled forward graph: {res['fwd_plan']}\n")
+    _report_pp_cpu(res.get("cpu"), summary)
     for k, label in (("train", "pipeline training"), ("fwd", "pipeline forward")):
         mm = res["mem"][k]
         summary.append([f"5. registers' peak, {label}", _mib(mm["peak"]), f"bound {_mib(mm['bound'])}",
                         f"{mm['peak'] / mm['bound']:.3f}x", "<= 1.0x", "met" if mm["peak"] <= mm["bound"] else "short"])
+
+
+def _report_pp_cpu(cpu, summary):
+    """Where the forward pipeline's CPU goes, per rank: medians over rounds of each thread kind's
+    CPU per call, beside the same rank's stage run alone. On 2 cores the compute threads fill the
+    machine, so what the other threads take comes out of the compute (the ideal counts none);
+    the summary row is their CPU per call on the rank where it is larger, over the stage's."""
+    if not cpu or not any(c["fwd"] for c in cpu):
+        return
+    kinds = ["compute", "stream threads", "gloo", "arrivals board", "store", "other"]
+    rows, extra = [], []
+    for rank, c in enumerate(cpu):
+        med = {k: statistics.median(r.get(k, 0.0) for r in c["fwd"]) for k in kinds}
+        alone = statistics.median(sum(r.values()) for r in c["stage"])
+        total = statistics.median(sum(r.values()) for r in c["fwd"])
+        extra.append((statistics.median(sum(v for k, v in r.items() if k != "compute") for r in c["fwd"]), alone))
+        rows.append([f"rank {rank}"] + [H.fmt(med[k]) for k in kinds] + [H.fmt(total), H.fmt(alone)])
+    print(H.table(["forward pipeline, CPU ms per call"] + kinds + ["all threads", "stage alone"], rows,
+                  "## 4. Forward pipeline: CPU per call by thread (medians over rounds)"))
+    print()
+    more, alone = max(extra)
+    summary.append(["4. forward pipeline: CPU of the threads beside the compute (more loaded rank)",
+                    f"{H.fmt(more)} ms", f"stage alone {H.fmt(alone)} ms", f"{more / alone:.3f}x", "-", "-"])
 
 
 def main(argv=None) -> int:

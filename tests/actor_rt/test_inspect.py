@@ -1,6 +1,7 @@
 """Looking at a compiled function: g.plan (tasks on r<rank>:compute / r<rank>:collective streams,
 registers, a memory bound), g.to_dot() (Graphviz text naming every task) and g.trace_to(path)
-(Chrome-trace JSON, one thread per stream)."""
+(Chrome-trace JSON, one thread per stream: the firings, and the streams' waits for inputs and
+credits)."""
 from __future__ import annotations
 
 import json
@@ -118,8 +119,9 @@ def test_trace_to_writes_chrome_trace_json(p1, tmp_path):
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"]
-    spans = [e for e in events if e["ph"] == "X"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] == "task"]
     assert spans, "no actor firings"
+    assert all(e["cat"] in ("task", "wait") for e in events if e["ph"] == "X")
     for e in spans:
         assert {"name", "ts", "dur", "pid", "tid"} <= set(e)
         assert e["dur"] >= 0
@@ -134,3 +136,36 @@ def test_trace_to_writes_chrome_trace_json(p1, tmp_path):
     stream_of = {t.name: t.stream for t in plan.tasks}
     for e in spans:
         assert thread_names[e["tid"]] == stream_of[e["name"]], f"{e['name']} drawn on another stream's thread"
+
+
+def test_trace_to_draws_a_streams_waits_before_the_firing_they_held_back(p1, tmp_path):
+    """The matmuls on one stream, what follows them on another: that stream runs ahead, sleeps
+    until each matmul is done, and the trace shows every sleep as a "wait" event on its own row,
+    named after the task it waited for (or the call's arguments, which the caller feeds), ending
+    before the firing it held back."""
+    w = gt.randn(512, 512, placement=p1, sbp=B) / 32.0
+    g = gt.compile(lambda x: torch.tanh(x @ w @ w) + 1.0, warmup=0,
+                   streams=lambda t: f"r{t.rank}:" + ("mm" if "mm" in t.name else "pointwise"))
+    xs = [gt.randn(256, 512, placement=p1, sbp=S(0)) for _ in range(8)]
+    outs = g.pipeline(xs)
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out.full_tensor(), (torch.tanh(x @ w @ w) + 1.0).full_tensor())
+    with open(g.trace_to(str(tmp_path / "trace.json"))) as f:
+        events = json.load(f)["traceEvents"]
+    thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+                    if e["ph"] == "M" and e["name"] == "thread_name"}
+    fired = {(e["name"], e["args"]["iteration"]): e for e in events if e["ph"] == "X" and e["cat"] == "task"}
+    waits = [e for e in events if e["ph"] == "X" and e["cat"] == "wait"]
+    plan = g.plan
+    stream_of = {t.name: t.stream for t in plan.tasks}
+    mm_tasks = {t.name for t in plan.tasks if t.stream.endswith(":mm")}
+    assert any(e["name"].startswith("input <- ") and e["name"][len("input <- "):] in mm_tasks and
+               stream_of[e["args"]["task"]].endswith(":pointwise") for e in waits), \
+        f"no pointwise stream waited for a matmul: {[e['name'] for e in waits]}"
+    for e in waits:
+        why, other = e["name"].split(" <- ")
+        assert why in ("input", "credit") and (other in stream_of or other == "the call's arguments"), e["name"]
+        task, it = e["args"]["task"], e["args"]["iteration"]
+        assert thread_names[(e["pid"], e["tid"])] == stream_of[task], f"wait of {task} drawn on another row"
+        assert stream_of.get(other) != stream_of[task], "a stream never waits for its own tasks"
+        assert e["ts"] + e["dur"] <= fired[(task, it)]["ts"] + 1.0, f"the wait of {task} ends after it fired"

@@ -270,9 +270,11 @@ class CompiledFunction:
         return dot(self._graph().program)
 
     def trace_to(self, path: str) -> str:
-        """Write the last run's actor firings as Chrome-trace JSON (Perfetto, chrome://tracing)."""
+        """Write the last run's actor firings, and the streams' waits for inputs and credits, as
+        Chrome-trace JSON (Perfetto, chrome://tracing)."""
         graph = self._graph()
-        return chrome_trace(graph.runtime.timeline, path, {t.name: t.rank for t in graph.program.tasks})
+        return chrome_trace(graph.runtime.timeline, path, {t.name: t.rank for t in graph.program.tasks},
+                            graph.runtime.waits)
 
     @property
     def peak_register_bytes(self) -> int:

@@ -55,16 +55,27 @@ def dot(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chrome_trace(timeline: list, path: str, rank_of: dict) -> str:
+def chrome_trace(timeline: list, path: str, rank_of: dict, waits: list = ()) -> str:
     """Write ``(stream, task, iteration, start, end)`` firings as Chrome-trace JSON, one process row
-    per rank (``rank_of``: task name -> rank) and one thread row per stream; returns ``path``."""
+    per rank (``rank_of``: task name -> rank) and one thread row per stream; returns ``path``.
+
+    Firings are events of category ``task`` named after the task. ``waits`` --
+    ``(stream, task, iteration, start, end, "input" | "credit", other)``: a stream asleep before
+    ``task`` until ``other`` made its input or freed a register -- are events of category
+    ``wait`` on the same row, named ``"input <- other"`` or ``"credit <- other"``. What is left
+    of a row between its events is the stream's own overhead, or time it could have run but
+    did not get a core (or the GIL)."""
     events, threads = [], {}
-    start = min((e[3] for e in timeline), default=0.0)
+    start = min([e[3] for e in timeline] + [w[3] for w in waits], default=0.0)
     for stream, task, it, t0, t1 in timeline:
-        rank = rank_of[task]
         tid = threads.setdefault(stream, len(threads))
-        events.append({"name": task, "ph": "X", "pid": rank, "tid": tid, "ts": (t0 - start) * 1e6,
-                       "dur": max((t1 - t0) * 1e6, 0.01), "args": {"iteration": it}})
+        events.append({"name": task, "cat": "task", "ph": "X", "pid": rank_of[task], "tid": tid,
+                       "ts": (t0 - start) * 1e6, "dur": max((t1 - t0) * 1e6, 0.01), "args": {"iteration": it}})
+    for stream, task, it, t0, t1, why, other in waits:
+        tid = threads.setdefault(stream, len(threads))
+        events.append({"name": f"{why} <- {other}", "cat": "wait", "ph": "X", "pid": rank_of[task], "tid": tid,
+                       "ts": (t0 - start) * 1e6, "dur": max((t1 - t0) * 1e6, 0.01),
+                       "args": {"iteration": it, "task": task}})
     names = {tid: stream for stream, tid in threads.items()}
     for rank in sorted({e["pid"] for e in events}):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})

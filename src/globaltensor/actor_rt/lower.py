@@ -2,7 +2,9 @@
 
 Every recorded piece op and collective becomes a task bound to a stream: ``r<rank>:compute``,
 ``r<rank>:copy`` (moves between devices) or ``r<rank>:collective`` (a collective of a simulated
-world runs on its lowest member's). Tasks nothing needs are pruned (collectives and writes into
+world runs on its lowest member's). One exception, in a process world on CPU: a point-to-point
+exchange in which this rank only sends (a pipeline stage handing its activation on) runs on the
+compute stream, right after the task that made what it sends (:func:`_inline_sends`). Tasks nothing needs are pruned (collectives and writes into
 state are always needed). One *reference order* -- the capture order, or with micro-batches
 GPipe's: each forward / backward segment for micro-batch 0, 1, ..., in turn -- is a valid
 sequential execution; each stream's static order is that order restricted to the stream, so the
@@ -25,6 +27,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from torch.utils._pytree import tree_unflatten
 
 from .graph import Captured, Node
 
@@ -265,6 +269,35 @@ def _ordering(tasks: List[TaskSpec], order: List[int], external: set, creator: d
             tasks[acc[first][0]].deps.append((acc[i][0], 1))
 
 
+def _inline_sends(tasks: List[TaskSpec], rank: int) -> List[int]:
+    """The gloo ``send_recv`` tasks of ``rank`` to run on its compute stream: those in which it
+    only sends, unless an exchange on the collective stream also sends to one of their peers.
+
+    The receiver posts its receives ahead on its collective stream, as far as its registers
+    allow, so such a send finds its receive posted and writes the message out at once; it waits
+    only for a receiver that many micro-batches behind. On the collective stream every message
+    costs a hand-off instead: the collective thread wakes, and its Python (``send_recv``'s) holds
+    the GIL and a core while the compute thread waits at its next op -- on the 2-stage forward
+    pipeline of benchmarks/actor_runtime.py, 0.2-0.6 ms per micro-batch of about 6, and the
+    thread's 0.3-0.4 ms of CPU on cores the stages' compute already fills. Point-to-point
+    messages match by peer and tag in the order each side issues them; the sends to a peer stay
+    on one stream in the reference order (hence the exception for peers an exchange also sends
+    to), and deadlock freedom holds as for any stream assignment.
+    """
+    def parts(t: TaskSpec):
+        n = t.node
+        if n is None or n.kind != "collective" or n.target != "send_recv":
+            return None
+        transfers, _, _, device_type = tree_unflatten(*n.args)
+        sends = {x.dst for x in transfers if x.src == rank and x.dst != rank}
+        receives = any(x.dst == rank and x.src != rank for x in transfers)
+        return device_type, sends, receives
+    p2p = {t.id: x for t in tasks if t.rank == rank for x in [parts(t)] if x is not None}
+    shared = set().union(*[sends for _, sends, receives in p2p.values() if receives] or [set()])
+    return [tid for tid, (device_type, sends, receives) in p2p.items()
+            if device_type == "cpu" and sends and not receives and not sends & shared]
+
+
 def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
     """The reference order reworked so that what follows a collective waits until it is needed.
 
@@ -326,7 +359,8 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     """The task graph of ``cap`` for the ranks this process holds.
 
     ``streams`` chooses the stream of each task: None, each rank's own compute / copy /
-    collective streams (``r<rank>:compute``); ``"device"``, the ranks that share a physical device
+    collective streams (``r<rank>:compute``; a CPU process world's sends, see ``_inline_sends``,
+    on compute); ``"device"``, the ranks that share a physical device
     (a simulated world's) share its streams (``cpu:compute``); a function of a task, the name it
     returns (a task of a process world stays on its rank: ``r<rank>:<name>``). Any assignment is
     deadlock-free: every stream follows the one reference order."""
@@ -372,6 +406,9 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
                                  f"(in a process world a task stays on its rank), got {name!r}")
             t.stream = name
         t.deps = sorted(set(d for d in t.deps if d[0] != t.id or d[1] == 1))
+    if streams is None and collective_rank is not None:
+        for tid in _inline_sends(tasks, collective_rank):
+            tasks[tid].stream = f"r{collective_rank}:compute"
     order = _communication_first(tasks, order)
     streams: Dict[str, List[int]] = {}
     for tid in order:

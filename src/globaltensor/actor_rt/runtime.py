@@ -5,7 +5,8 @@ Each task is an actor with ``registers`` output slots; iteration ``it`` writes s
 done ``it`` ("ready") -- and a register is free -- every consumer has done ``it - registers``
 ("ack": the consumer is through with the slot, so it may be written again). The counters are
 each task's ``done`` (iterations finished), read by consumers for readiness and by producers for
-credit; a thread that must wait sleeps on its stream's condition, which the other side notifies.
+credit; a thread that must wait sleeps on its stream's condition, which the other side notifies
+(with the timeline on, each sleep is recorded in ``waits``: ``g.trace_to`` draws it).
 
 A stream's thread runs its tasks in their static order, iteration after iteration, with no queue
 between them: a task's inputs from the same stream are ready by that order, and its credit from
@@ -245,6 +246,7 @@ class Runtime:
         self.world = get_world()
         self.timeline_on, self.measure = timeline, measure_memory
         self.timeline: list = []
+        self.waits: list = []          # (stream, task, iteration, start, end, "input" | "credit", on what)
         self.peak_bytes = 0
         self.failed = None             # (exception, task) once a task raised: the graph is broken
         self.lock = threading.Lock()
@@ -389,19 +391,25 @@ class Runtime:
     def _wait(self, stream: Stream, t: Task, it: int) -> None:
         """Until every input of iteration ``it`` is ready and a register is free (ready, then ack)."""
         for p, delay in t.waits_in:
-            self._await(stream.cond, p, it + 1 - delay)
+            self._await(stream, t, it, p, it + 1 - delay, "input")
         for c in t.waits_credit:
-            self._await(stream.cond, c, it + 1 - t.k)
+            self._await(stream, t, it, c, it + 1 - t.k, "credit")
 
-    def _await(self, cond: threading.Condition, task, done: int) -> None:
-        """Sleep on ``cond`` until ``task`` has finished ``done`` iterations (or the graph failed)."""
-        if task.done >= done:
+    def _await(self, stream: Stream, t: Task, it: int, other, done: int, why: str) -> None:
+        """Sleep on the stream's condition until ``other`` has finished ``done`` iterations (or the
+        graph failed). A sleep is recorded in ``waits`` when the timeline is on: the trace then
+        tells a stream waiting for an input or a credit from one stalled while it could run."""
+        if other.done >= done:
             return
-        with cond:
-            while task.done < done:
+        start = time.perf_counter()
+        with stream.cond:
+            while other.done < done:
                 if self.failed is not None:
                     raise _Stop
-                cond.wait()
+                stream.cond.wait()
+        if self.timeline_on:
+            self.waits.append((stream.name, t.name, it, start, time.perf_counter(), why,
+                               other.name if isinstance(other, Task) else "the call's arguments"))
 
     def _cuda_wait(self, t: Task, it: int) -> None:
         current = torch.cuda.current_stream()
@@ -458,6 +466,7 @@ class Runtime:
         base = self.feed.done
         n = len(feeds)
         self.timeline.clear()
+        self.waits.clear()
         self.results = {base + i: [None] * sink_count for i in range(n)}
         inline = self.inline
         ready = None
