@@ -162,6 +162,16 @@ def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, 
     return out
 
 
+def sgd_step(model, opt, *batch):
+    """One training step of a model with a ``loss(*batch)`` method (examples/gpt.py): forward,
+    ``zero_grad``, backward, the optimizer's step; the loss."""
+    loss = model.loss(*batch)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def slowest(seconds: float) -> float:
     """The largest value of ``seconds`` over the ranks (for one-shot timings)."""
     import torch.distributed as dist

@@ -197,13 +197,7 @@ def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4):
         gt.nn.distribute_module(m, p)              # every parameter broadcast: data parallel
         opt = torch.optim.SGD(m.parameters(), lr=GPT_LR)
 
-        def step(i, t):
-            loss = m.loss(i, t)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss
-        return step
+        return lambda i, t: H.sgd_step(m, opt, i, t)
 
     compiled = gt.compile(make_gt())
     eager = make_gt()

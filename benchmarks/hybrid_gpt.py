@@ -115,11 +115,7 @@ def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
     gidx, gtgt = gt.distribute(idx, p, (S(0), B)), gt.distribute(tgt, p, (S(0), B))
 
     def gt_step():
-        loss = gm.loss(gidx, gtgt)
-        gopt.zero_grad()
-        loss.backward()
-        gopt.step()
-        return loss
+        return H.sgd_step(gm, gopt, gidx, gtgt)
 
     # every rank creates every group, in one order
     dp_groups = {d: dist.new_group([d, d + 2]) for d in (0, 1)}

@@ -71,14 +71,7 @@ def _worker(rank: int, world: int, quick: bool) -> dict:
 
     def stepper(model, i, t):
         opt = torch.optim.SGD(model.parameters(), lr=GPT_LR)
-
-        def step():
-            loss = model.loss(i, t)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss
-        return step
+        return lambda: H.sgd_step(model, opt, i, t)
 
     plain, thin, glob = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     for name, p in list(thin.named_parameters()):
