@@ -31,6 +31,7 @@ class ArrivalBoard:
         self.inside: Dict[tuple, Tuple[str, int]] = {}    # group -> (op, seq) while inside it
         self.failure: Optional[str] = None
         self._version = 0
+        self._counting = threading.Lock()
         self._published = -1
         self._stop = threading.Event()
         self._publish()
@@ -39,14 +40,17 @@ class ArrivalBoard:
 
     # -- the hot path: no store access -------------------------------------------------------
     def enter(self, op: str, key: tuple) -> int:
-        seq = self.entered[key][1] + 1 if key in self.entered else 1
-        self.entered[key] = self.inside[key] = (op, seq)
-        self._version += 1
+        # locked: two threads of a process may run collectives of one group (a compiled graph's inline sends)
+        with self._counting:
+            seq = self.entered[key][1] + 1 if key in self.entered else 1
+            self.entered[key] = self.inside[key] = (op, seq)
+            self._version += 1
         return seq
 
     def leave(self, key: tuple) -> None:
-        self.inside.pop(key, None)
-        self._version += 1
+        with self._counting:
+            self.inside.pop(key, None)
+            self._version += 1
 
     # -- publishing ---------------------------------------------------------------------------
     def _state(self) -> str:
