@@ -172,6 +172,18 @@ def sgd_step(model, opt, *batch):
     return loss
 
 
+def logits_step(model, opt, idx, targets):
+    """One training step of a plain module returning logits (DDP, the hand-written shards):
+    cross entropy over the flattened tokens, ``zero_grad``, backward, the optimizer's step."""
+    import torch.nn.functional as F
+    logits = model(idx)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def slowest(seconds: float) -> float:
     """The largest value of ``seconds`` over the ranks (for one-shot timings)."""
     import torch.distributed as dist

@@ -176,7 +176,6 @@ def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4):
 
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import globaltensor as gt
@@ -210,12 +209,7 @@ def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4):
     li, lt = idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]
 
     def ddp_step():
-        logits = ddp(li)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lt.reshape(-1))
-        dopt.zero_grad()
-        loss.backward()
-        dopt.step()
-        return loss
+        return H.logits_step(ddp, dopt, li, lt)
 
     def ddp_loss():
         v = ddp_step().detach().clone()

@@ -93,7 +93,6 @@ def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
 def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import globaltensor as gt
     import globaltensor.nn as gnn
@@ -126,12 +125,7 @@ def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
     li, lt = idx[data * n:(data + 1) * n], tgt[data * n:(data + 1) * n]
 
     def hand_step():
-        logits = hand(li)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lt.reshape(-1))
-        hopt.zero_grad()
-        loss.backward()
-        hopt.step()
-        return loss
+        return H.logits_step(hand, hopt, li, lt)
 
     for step in range(check_steps):
         g = float(gt_step().detach().full_tensor())

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .boxing import Layout
 from .sbp import broadcast, split
-from .sbp.shape import blocked_dims, numel
+from .sbp.shape import numel
 
 _SAVABLE = "_dcp_savable"   # the attribute holding the boxed copy of a partial tensor between plan and write
 
@@ -49,14 +49,12 @@ def _chunks(layout: Layout, rank: int, piece: torch.Tensor) -> list:
     boxes = layout.block_boxes(rank)
     if not layout.blocked:
         return [(torch.Size(start for start, _ in boxes[0][1]), piece)]
-    blocked = sorted(blocked_dims(layout.nd_sbp))
-    factored = layout.factored()
-    fpiece = piece.view(factored.piece_shape(rank))
+    fpiece = piece.view(layout.factored().piece_shape(rank))
     out = []
     for picks, box in boxes:
         view = fpiece
-        for d, pick in sorted(zip(blocked, picks), reverse=True):   # the last first: earlier dims keep their index
-            view = view.select(d + sum(b < d for b in blocked), pick)
+        for dim, index in picks:
+            view = view.select(dim, index)
         out.append((torch.Size(start for start, _ in box), view))
     return out
 

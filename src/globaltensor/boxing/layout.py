@@ -50,7 +50,9 @@ class Layout:
     def block_boxes(self, rank: int) -> list:
         """``(picks, box)`` for each box of the tensor that ``rank``'s piece covers: one, its
         :meth:`box`, with ``picks == ()``; for a blocked split, its part of each block, ``picks``
-        giving that block's index within the piece along each blocked dim (in dim order)."""
+        giving ``(dim of the factored piece, index)`` of that block within the piece for each
+        blocked dim, the last dim first (so selecting them in turn from the factored piece --
+        ``self.factored().piece_shape(rank)`` -- leaves the part's view)."""
         if not self.blocked:
             return [((), self.box(rank))]
         blocked = sorted(blocked_dims(self.nd_sbp))
@@ -58,11 +60,11 @@ class Layout:
         fbox = factored.box(rank)
         where = [d + sum(b < d for b in blocked) for d in range(len(self.shape))]
         out = []
-        for picks in product(*(range(fbox[where[d]][1]) for d in blocked)):
-            pick = dict(zip(blocked, picks))
+        for indices in product(*(range(fbox[where[d]][1]) for d in blocked)):
+            pick = dict(zip(blocked, indices))
             box = tuple(((fbox[f][0] + pick[d]) * factored.shape[f + 1] + fbox[f + 1][0], fbox[f + 1][1])
                         if d in pick else fbox[f] for d, f in enumerate(where))
-            out.append((picks, box))
+            out.append((tuple((where[d], pick[d]) for d in reversed(blocked)), box))
         return out
 
     def with_sbp(self, nd_sbp: tuple) -> "Layout":
