@@ -92,6 +92,19 @@ def wrap_result(layout, pieces: dict, device, piece) -> "GlobalTensor":
     return t
 
 
+def wrap_fresh(layout, pieces: dict, device, piece) -> "GlobalTensor":
+    """:func:`wrap_result` for a result that aliases no input (its op's schema says so): such a
+    piece is made by the kernel under the caller's inference mode and carries no conjugate or
+    negative bit, so only its memory order is read."""
+    t = _make_wrapper(GlobalTensor, layout.shape, dtype=layout.dtype, device=device,
+                      strides=None if piece.is_contiguous() else _strides_like(piece, layout.shape))
+    t._layout = layout
+    t._pieces = pieces
+    if _on_create is not None:
+        _on_create(t)
+    return t
+
+
 def _mirror_bits(t: torch.Tensor, piece: torch.Tensor) -> None:
     """The wrapper carries its pieces' conjugate and negative bits (``x.conj()`` is a lazy view).
 

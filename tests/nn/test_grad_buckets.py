@@ -157,3 +157,18 @@ def test_embedding_gradients_join_the_buckets(p1):
     for (sbp0, v0), (sbp1, v1) in zip(grads[0], grads[25 * 2 ** 20]):
         assert sbp0 == sbp1 == (B,)
         assert torch.equal(v0, v1)
+
+
+def test_a_data_axis_of_one_rank_keeps_the_gradients_as_they_are(world4):
+    """Partial over one rank is already the sum: the backward leaves each gradient where autograd put
+    it, in the parameter's layout, with no collective and no flat bucket (a copy of every gradient)."""
+    one = gt.placement("cpu", [0])
+    _, plain, _ = _train(one, {}, 0, zero=False, backwards=1, steps=1)
+    m, bucketed, stats = _train(one, {}, 25 * 2 ** 20, zero=False, backwards=1, steps=1)
+    assert stats.count == 0
+    for (sbp0, v0), (sbp1, v1) in zip(plain[0], bucketed[0]):
+        assert sbp0 == sbp1 == (B,) and torch.equal(v0, v1)
+    x = gt.randn(8, 6, placement=one, sbp=S(0), dtype=torch.float64)
+    m(x).square().mean().backward()
+    grads = [_raw_grad.__get__(p) for p in m.parameters()]
+    assert all(g.sbp == (B,) and g._pieces[0]._base is None for g in grads), "a gradient is a view of a bucket"

@@ -201,9 +201,12 @@ def _start_all_reduce(key, entries, overlap: bool):
     placement, dtype, axes, _ = key
     world = get_world()
     held = [r for r in placement.rank_list() if world.holds(r)]
+    groups = _groups(placement, axes, world)
+    if not groups:                          # partial over axes of one rank: each piece is the sum
+        return functools.partial(_regrad, entries)
     flat = {r: torch.cat([g._pieces[r].reshape(-1) for _, g, _ in entries]) for r in held}
     started = []
-    for group in _groups(placement, axes, world):
+    for group in groups:
         mine = [r for r in group if world.holds(r)]
         if not mine:                        # counted on every process, as the boxing executor does
             numel = sum(numel_of(g._layout.piece_shape(group[0])) for _, g, _ in entries)
@@ -227,6 +230,13 @@ def _start_all_reduce(key, entries, overlap: bool):
             with torch.no_grad():
                 p.grad = GlobalTensor(want, pieces)
     return finish
+
+
+def _regrad(entries) -> None:
+    """Each gradient in its wanted layout, the pieces as they are (no rank to sum with)."""
+    with torch.no_grad():
+        for p, g, want in entries:
+            p.grad = GlobalTensor(want, g._pieces)
 
 
 def _start_reduce_scatter(key, entries, overlap: bool):
