@@ -9,6 +9,7 @@ slowest rank's, the figure is the median round. Nothing is downloaded.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import queue as _queue
 import socket
@@ -160,6 +161,24 @@ def timed_many(fns: dict, *, warmup: int = 3, repeats: int = 7, inner: int = 3, 
     out = {k: Timing(statistics.median(rounds[k]), min(rounds[k]), rounds[k]) for k in names}
     out.update({k: None for k, f in fns.items() if f is None})
     return out
+
+
+def inner_for(fns: dict, round_s: float) -> int:
+    """Calls per round so that a round of the slowest of ``fns`` lasts about ``round_s``, the same
+    on every rank (the functions may be collectives). A round of a few calls of a fast conversion
+    right after a barrier times the ranks waking up from it more than the conversion."""
+    import torch.distributed as dist
+    slowest = 0.0
+    for fn in fns.values():
+        if fn is not None:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            slowest = max(slowest, time.perf_counter() - t0)
+    inner = torch.tensor([max(1, math.ceil(round_s / max(slowest, 1e-9)))])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(inner, op=dist.ReduceOp.MAX)
+    return int(inner)
 
 
 def sgd_step(model, opt, *batch):

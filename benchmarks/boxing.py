@@ -24,7 +24,13 @@ import _harness as H
 
 
 def _settings(quick: bool) -> dict:
-    return dict(warmup=1, repeats=3, inner=1) if quick else dict(warmup=3, repeats=15, inner=3)
+    """Rounds, and how long one lasts: as many back-to-back conversions as fill it (the same count
+    for every side of a comparison, see ``_harness.inner_for``)."""
+    return dict(warmup=1, repeats=3, round_s=0.002) if quick else dict(warmup=3, repeats=31, round_s=0.01)
+
+
+def _timed(fns: dict, cfg: dict) -> dict:
+    return H.timed_many(fns, warmup=cfg["warmup"], repeats=cfg["repeats"], inner=H.inner_for(fns, cfg["round_s"]))
 
 
 ONE_D = ["S(0)->B", "P->B", "S(0)->S(1)", "P->S(0)", "B->S(0)", "S(1)->S(0)", "S(0)->P"]
@@ -159,7 +165,7 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         for k in ("raw", "alt"):
             if k in fns and not torch.allclose(fns[k](), got.to_local(), rtol=1e-5, atol=1e-4):
                 raise AssertionError(f"{world} ranks {conv}: the raw baseline's result is not the target piece")
-        t = H.timed_many(fns, **cfg)
+        t = _timed(fns, cfg)
         rows.append(dict(world=world, conv=conv, gt=t["gt"], dt=t["dt"], raw=t["raw"], raw_name=RAW_NAME[conv],
                          note=note))
         if conv == "P->S(0)":
@@ -246,8 +252,7 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         if not torch.allclose(got.full_tensor(), dres.full_tensor(), rtol=1e-5, atol=1e-4):
             raise AssertionError(f"2-D {name}: globaltensor's result differs from DTensor's")
         raw_name, fn = raw2(name)
-        t = H.timed_many({"gt": lambda: x.to_global(sbp=dst), "dt": lambda: d.redistribute(mesh2, ddst),
-                          "raw": fn}, **cfg)
+        t = _timed({"gt": lambda: x.to_global(sbp=dst), "dt": lambda: d.redistribute(mesh2, ddst), "raw": fn}, cfg)
         rows2.append(dict(conv=name, gt=t["gt"], dt=t["dt"], raw=t["raw"], raw_name=raw_name))
 
     # ---------------------------------------------------------------- moves between placements
@@ -312,7 +317,7 @@ def _worker(rank: int, world: int, size: int, quick: bool, with_2d: bool):
         ok = H.slowest(0.0 if ok else 1.0) == 0.0
         if not ok:
             raise AssertionError(f"move {name}: wrong result")
-        t = H.timed_many({"gt": lambda: x.to_global(placement=dst_p, sbp=dst_sbp), "raw": raw()}, **cfg)
+        t = _timed({"gt": lambda: x.to_global(placement=dst_p, sbp=dst_sbp), "raw": raw()}, cfg)
         rows3.append(dict(conv=name, gt=t["gt"], raw=t["raw"], raw_name=raw_name))
     return dict(one_d=rows, two_d=rows2, moves=rows3)
 
@@ -324,8 +329,10 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", default="2,4", help="comma-separated process counts for the 1-D table")
     args = ap.parse_args(argv)
     print(H.header("boxing"))
+    cfg = _settings(args.quick)
     print(f"logical tensor {args.size}x{args.size} fp32 = {args.size * args.size * 4 / 2**20:.0f} MB; ms per "
-          f"conversion, median of {_settings(args.quick)['repeats']} rounds (slowest rank); lower is better\n")
+          f"conversion, median of {cfg['repeats']} rounds of about {cfg['round_s'] * 1e3:.0f} ms (slowest rank); "
+          "lower is better\n")
     t0 = time.time()
     one_d, two_d, moves = [], [], []
     for w in [int(v) for v in args.worlds.split(",")]:

@@ -67,11 +67,12 @@ def test_all_to_all_broadcast_send_recv():
     chunks = {s: [ones(1, 2, v=10 * s + d) for d in range(3)] for s in group}
     shapes = [[(1, 2)] * 3 for _ in group]
     with gt.comm_stats() as st:
-        got = w.all_to_all(group, chunks, shapes, torch.float32)
+        rows = {d: ((3, 2), tuple(((0, s, 1),) for s in group)) for d in group}    # block s is row s
+        got = w.all_to_all(group, chunks, shapes, torch.float32, rows)
         b = w.broadcast((1, 0, 2), 1, {1: ones(4, v=7)}, (4,), torch.float32, "cpu")
         sr = w.send_recv([Transfer(0, 2, (3,)), Transfer(1, 1, (2,))], {0: ones(3, v=5), 1: ones(2, v=6)},
                          torch.float32, "cpu")
-    assert all(torch.equal(got[d][s], ones(1, 2, v=10 * s + d)) for s in group for d in group)
+    assert all(torch.equal(got[d][s:s + 1], ones(1, 2, v=10 * s + d)) for s in group for d in group)
     assert all(torch.equal(b[r], ones(4, v=7)) for r in (0, 1, 2))
     assert torch.equal(sr[0], ones(3, v=5)) and torch.equal(sr[1], ones(2, v=6))
     assert st.ops() == ["all_to_all", "broadcast", "send_recv"]

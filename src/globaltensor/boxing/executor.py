@@ -11,7 +11,7 @@ import torch
 
 from ..comm import profile_context as attribution
 from ..comm.consistency import CHECK as _check, confirm_boxing
-from ..comm.world import World
+from ..comm.world import World, tile_places
 from .layout import intersect, relative, take
 from .plan import Plan, Step
 
@@ -187,7 +187,8 @@ def _all_reduce(step: Step, groups, pieces, world):
 
 def _prepare_all_to_all(step: Step, world: World):
     """Per group: the block shapes every member sends every member; for each member held here
-    the cuts of its piece it sends (None: an empty block) and how its piece is assembled."""
+    the cuts of its piece it sends (None: an empty block) and how its piece is tiled by the
+    blocks it receives (its shape, and each block's cuts of it)."""
     src, dst = step.src, step.dst
     zero = (0,) * len(src.shape)
     out = []
@@ -196,69 +197,30 @@ def _prepare_all_to_all(step: Step, world: World):
         shapes = [[_box_shape(b) if b else zero for b in row] for row in blocks]
         sends = {s: [_cuts(relative(b, src.box(s)), src.piece_shape(s)) if b else None for b in blocks[i]]
                  for i, s in enumerate(g) if s in mine}
-        assembly = {d: _assembly(dst.box(d), [blocks[i][j] for i in range(len(g))])
-                    for j, d in enumerate(g) if d in mine}
-        out.append((g, mine, shapes, sends, assembly))
+        tiles = {d: _tile(dst.box(d), [blocks[i][j] for i in range(len(g))]) for j, d in enumerate(g) if d in mine}
+        out.append((g, mine, shapes, sends, tiles))
     return tuple(out)
 
 
 def _all_to_all(step: Step, groups, pieces, world):
     dtype = step.src.dtype
     out = {}
-    for g, mine, shapes, sends, assembly in _groups_here(step, groups, pieces, world, out):
+    for g, mine, shapes, sends, tiles in _groups_here(step, groups, pieces, world, out):
         chunks = {}
         for i, s in enumerate(g):
             if s in sends:
                 t = pieces[s]
                 chunks[s] = [_cut(t, c) if c is not None else t.new_empty(shapes[i][j])
                              for j, c in enumerate(sends[s])]
-        received = world.all_to_all(g, chunks, shapes, dtype)
-        for d, how in assembly.items():
-            out[d] = _assemble(how, received[d], dtype, pieces[d].device)
+        out.update(world.all_to_all(g, chunks, shapes, dtype, tiles))
     return out
 
 
-def _assembly(box, blocks) -> tuple:
-    """How to fill a piece of ``box`` from parts covering ``blocks`` (boxes, None for an empty part),
-    which tile it: the piece's shape, each part's cuts of the piece (None: an empty part) and, when
-    two or more parts are whole row blocks, the parts' indices in row order (see _back_to_back)."""
+def _tile(box, blocks) -> tuple:
+    """How parts covering ``blocks`` (boxes, None for an empty part) tile a piece of ``box``: the
+    piece's shape and each part's cuts of it (None: an empty part); see comm's ``tile_places``."""
     shape = _box_shape(box)
-    cuts = [_cuts(relative(b, box), shape) if b is not None else None for b in blocks]
-    filled = sorted((i for i, b in enumerate(blocks) if b is not None), key=lambda i: blocks[i][0][0])
-    rows = tuple(filled) if len(filled) >= 2 and all(blocks[i][1:] == box[1:] for i in filled) else None
-    return shape, cuts, rows
-
-
-def _assemble(how: tuple, parts: list, dtype, device) -> torch.Tensor:
-    """A piece filled from ``parts`` (tensors, in the order of the blocks ``how`` was made from)."""
-    shape, cuts, rows = how
-    if rows is not None:
-        whole = _back_to_back(shape, [parts[i] for i in rows], dtype, device)
-        if whole is not None:
-            return whole
-    out = torch.empty(shape, dtype=dtype, device=device)
-    for c, t in zip(cuts, parts):
-        if c is not None:
-            _cut(out, c).copy_(t)
-    return out
-
-
-def _back_to_back(shape: tuple, filled: list, dtype, device):
-    """The piece as a view of the parts' buffer, when the parts (row blocks, in row order) lie back
-    to back in one storage (a process world's all-to-all receive buffer), else None.
-
-    Parts that are views of source pieces (a simulated world hands them over as they are) are
-    separate storages, so they never pass: a piece never aliases another tensor's piece.
-    """
-    first = filled[0]
-    storage = first.untyped_storage().data_ptr()
-    ptr = first.data_ptr()
-    for t in filled:
-        if (not t.is_contiguous() or t.dtype != dtype or t.device != torch.device(device) or
-                t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage):
-            return None
-        ptr += t.numel() * t.element_size()
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+    return shape, tuple(_cuts(relative(b, box), shape) if b is not None else None for b in blocks)
 
 
 def _prepare_slice(step: Step, world: World) -> dict:
@@ -356,7 +318,7 @@ def _prepare_send_recv(step: Step, world: World) -> tuple:
         if world.holds(r):
             box = dst.box(r)
             mine = [i for i, t in enumerate(step.transfers) if t.dst == r]
-            how = _assembly(box, [intersect(src.box(step.transfers[i].src), box) for i in mine]) if box else None
+            how = _tile(box, [intersect(src.box(step.transfers[i].src), box) for i in mine]) if box else None
             receives[r] = (world.device(dst.placement.type, r), mine, how)
     return sends, receives
 
@@ -368,7 +330,13 @@ def _send_recv(step: Step, meta, pieces, world):
     out = {}
     for r, (device, mine, how) in receives.items():
         parts = [got[i] for i in mine]
-        out[r] = _assemble(how, parts, step.dst.dtype, device) if how is not None else parts[0].to(device, copy=True)
+        if how is None:
+            out[r] = parts[0].to(device, copy=True)
+            continue
+        out[r], places = tile_places(how, step.dst.dtype, device)
+        for place, part in zip(places, parts):
+            if place is not None:
+                place.copy_(part)
     return out
 
 

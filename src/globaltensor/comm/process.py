@@ -21,7 +21,7 @@ from ..sbp.shape import numel
 from .arrivals import ArrivalBoard, describe_missing
 from .errors import CollectiveError, calling_hint
 from .timeouts import collective_timeout
-from .world import Started, World
+from .world import Started, World, tile_places
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a warning on every run) for all_gather_single.
@@ -299,13 +299,47 @@ class ProcessWorld(World):
             return {me: recv.view(len(group), sizes[i_me]).sum(0)}
         return Started(finish)
 
-    def _all_to_all(self, group, chunks, shapes, dtype):
+    def _all_to_all(self, group, chunks, shapes, dtype, tiles):
+        """One ``all_to_all_single``, with the fewest copies around it:
+
+        - the blocks sent go as they lie when they are back to back in one storage (the row blocks
+          of a dim-0 piece), else each is copied once into a scratch send buffer;
+        - the blocks received land where they belong when their places in the result lie back to
+          back (row blocks again), else in a scratch buffer, each then copied once to its place;
+        - this rank's own block stays out of the exchange (one copy, straight from the piece to its
+          place, instead of gloo's copy to itself and then to the place) unless leaving it out
+          would cost a packing copy the others' blocks did not need.
+        """
         me = self.rank
         i_me = group.index(me)
         mine = chunks[me]
-        received = [shapes[j][i_me] for j in range(len(group))]
-        recv = torch.empty(sum(numel(s) for s in received), dtype=dtype, device=mine[0].device)
-        return {me: self._exchange(group, mine, received, dtype, recv)}
+        out, dest = tile_places(tiles[me], dtype, mine[i_me].device)
+        pg, order = self._pg(group)
+        ranked = sorted(range(len(group)), key=lambda j: order[j])
+        others = [j for j in ranked if j != i_me]
+        own_out = _flat_run([mine[j] for j in ranked]) is None or _flat_run([mine[j] for j in others]) is not None
+        peers = others if own_out else ranked
+        send_sizes = [mine[j].numel() if j in peers else 0 for j in ranked]
+        send, send_scratch = _pack([mine[j] for j in peers], sum(send_sizes), dtype, mine[i_me].device)
+        recv_sizes = [numel(shapes[j][i_me]) if j in peers else 0 for j in ranked]
+        places = [dest[j] for j in peers if dest[j] is not None and dest[j].numel()]
+        flat = _flat_run(places) if places else mine[i_me].new_empty(0)
+        recv_scratch = None
+        if flat is None:
+            recv_scratch = _scratch.take(sum(recv_sizes), dtype, mine[i_me].device)
+            flat = recv_scratch[:sum(recv_sizes)]
+        self._run("all_to_all", group,
+                  lambda: dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg))
+        if recv_scratch is not None:
+            for j, part in zip(ranked, torch.split(flat, recv_sizes)):
+                if part.numel():
+                    dest[j].copy_(part.view(dest[j].shape))
+            _scratch.give(recv_scratch)
+        if send_scratch is not None:
+            _scratch.give(send_scratch)
+        if own_out and mine[i_me].numel():
+            dest[i_me].copy_(mine[i_me])
+        return {me: out}
 
     def _exchange(self, group, mine, received, dtype, recv) -> list:
         """Send ``mine[j]`` to member j and receive, into the flat ``recv``, a tensor of
@@ -358,6 +392,21 @@ class ProcessWorld(World):
         return out
 
 
+def _flat_run(tensors):
+    """The non-empty ``tensors`` as one flat view, when they are contiguous and lie back to back,
+    in order, in one storage; else None."""
+    nonempty = [t for t in tensors if t.numel()]
+    if not nonempty:
+        return None
+    base = nonempty[0]
+    ptr, storage = base.data_ptr(), base.untyped_storage().data_ptr()
+    for t in nonempty:
+        if not t.is_contiguous() or t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage:
+            return None
+        ptr += t.numel() * t.element_size()
+    return base.as_strided((sum(t.numel() for t in nonempty),), (1,), base.storage_offset())
+
+
 def _pack(chunks, total: int, dtype, device) -> tuple:
     """The chunks as one flat send buffer, in order, with at most one copy of each; and the
     scratch buffer it lies in, to give back once sent (None when there is none).
@@ -366,16 +415,9 @@ def _pack(chunks, total: int, dtype, device) -> tuple:
     are sent as they lie, without a copy; others (column blocks) are copied once straight
     into a scratch buffer (``reshape(-1)`` then ``cat`` would copy them twice).
     """
-    nonempty = [c for c in chunks if c.numel()]
-    if nonempty and all(c.is_contiguous() for c in nonempty):
-        base = nonempty[0]
-        ptr, storage = base.data_ptr(), base.untyped_storage().data_ptr()
-        for c in nonempty:
-            if c.data_ptr() != ptr or c.untyped_storage().data_ptr() != storage:
-                break
-            ptr += c.numel() * c.element_size()
-        else:
-            return base.as_strided((total,), (1,), base.storage_offset()), None
+    flat = _flat_run(chunks)
+    if flat is not None:
+        return flat, None
     scratch = _scratch.take(total, dtype, device)
     send = scratch[:total]
     offset = 0

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .errors import CollectiveError, calling_hint
-from .world import Started, World
+from .world import Started, World, tile_places
 
 _comm_thread = None
 _comm_thread_lock = threading.Lock()
@@ -58,9 +58,15 @@ class SimulatedWorld(World):
     def _reduce_scatter_async(self, group, pieces, sizes):
         return Started(_thread().submit(self._reduce_scatter, group, pieces, 0, sizes).result)
 
-    def _all_to_all(self, group, chunks, shapes, dtype):
+    def _all_to_all(self, group, chunks, shapes, dtype, tiles):
         _all_arrived("all_to_all", group, chunks)
-        return {r: [chunks[s][i] for s in group] for i, r in enumerate(group)}
+        out = {}
+        for i, r in enumerate(group):
+            out[r], places = tile_places(tiles[r], dtype, chunks[r][i].device)
+            for j, s in enumerate(group):
+                if places[j] is not None and chunks[s][i].numel():
+                    places[j].copy_(chunks[s][i])
+        return out
 
     def _broadcast(self, group, src, pieces, shape, dtype, device_type):
         _all_arrived("broadcast", (src,), pieces)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -60,6 +60,21 @@ def all_reduce_bytes(group: tuple, numel: int, itemsize: int) -> Dict[int, int]:
     """Bytes each member sends in a ring all-reduce of ``numel`` elements: twice a reduce-scatter's."""
     chunk = [s * itemsize for s in balanced_sizes(numel, len(group))]
     return {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()}
+
+
+def tile_places(tile: tuple, dtype, device) -> tuple:
+    """A new tensor of ``tile``'s shape and, per member, the view its block fills (None: empty)."""
+    shape, places = tile
+    out = torch.empty(shape, dtype=dtype, device=device)
+    views = []
+    for cuts in places:
+        view = None
+        if cuts is not None:
+            view = out
+            for d, start, length in cuts:
+                view = view.narrow(d, start, length)
+        views.append(view)
+    return out, views
 
 
 class Started:
@@ -145,16 +160,20 @@ class World(ABC):
         return self._reduce_scatter_async(group, pieces, sizes)
 
     def all_to_all(self, group: tuple, chunks: Dict[int, List[torch.Tensor]], shapes: Sequence[Sequence[tuple]],
-                   dtype) -> Dict[int, List[torch.Tensor]]:
-        """Member i sends ``chunks[group[i]][j]`` to member j; returns, per member, what each member sent it.
+                   dtype, tiles: Dict[int, tuple]) -> Pieces:
+        """Member i sends ``chunks[group[i]][j]`` to member j; returns, per member, a new tensor the
+        blocks it received tile.
 
         ``shapes[i][j]`` is the shape member i sends member j, known on every process.
+        ``tiles[r] = (shape, places)`` for each member r held here: its result's shape, and per
+        member j where j's block lies in it, as narrowings ``((dim, start, length), ...)`` (None for
+        an empty block); see :func:`tile_places`.
         """
         size = dtype.itemsize
         stats.record("all_to_all", group, {
             r: sum(numel(shapes[i][j]) for j in range(len(group)) if j != i) * size for i, r in enumerate(group)})
-        return _run("all_to_all", self, (group, chunks, shapes, dtype),
-                    lambda: self._all_to_all(group, chunks, shapes, dtype))
+        return _run("all_to_all", self, (group, chunks, shapes, dtype, tiles),
+                    lambda: self._all_to_all(group, chunks, shapes, dtype, tiles))
 
     def broadcast(self, group: tuple, src: int, pieces: Pieces, shape: tuple, dtype, device_type: str) -> Pieces:
         """Every member gets ``src``'s tensor of ``shape``; ``pieces`` holds ``src``'s tensor if it is here."""
@@ -200,7 +219,7 @@ class World(ABC):
     def _all_reduce(self, group, pieces) -> Pieces: ...
 
     @abstractmethod
-    def _all_to_all(self, group, chunks, shapes, dtype): ...
+    def _all_to_all(self, group, chunks, shapes, dtype, tiles): ...
 
     @abstractmethod
     def _broadcast(self, group, src, pieces, shape, dtype, device_type) -> Pieces: ...
