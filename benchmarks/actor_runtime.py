@@ -13,9 +13,10 @@ checks that the compiled version computes what its peer computes before it is ti
 2. tp: benchmarks/tp_mlp.py's tensor-parallel MLP training step (Linear(1024,4096) -> ReLU ->
    Linear(4096,1024), batch 64, SGD), compiled, vs the hand-written torch.distributed step
    (Megatron f/g, one all_reduce each way). Goal: compiled <= 1.0x hand-written (paired).
-3. dp: a data-parallel training step of examples/gpt.py's GPT (n_embd 256, 4 layers, 4
-   heads, batch 16 x 64 tokens, SGD), compiled (gradients all-reduced in buckets during the
-   backward), vs torch DistributedDataParallel on the same model. Goal: <= 1.0x DDP (paired).
+3. dp: a data-parallel training step of examples/gpt.py's GPT (n_embd 256, or ``--dp-embd``:
+   make bench also runs 512, where compute dominates more; 4 layers, 4 heads, batch 16 x 64
+   tokens, SGD), compiled (gradients all-reduced in buckets during the backward), vs torch
+   DistributedDataParallel on the same model. Goal: <= 1.0x DDP (paired).
 4. pp: a 2-stage pipeline, stage 1 (an MLP 512->2048->512) on rank 0, stage 2 (the same
    shape, plus the loss) on rank 1. (a) a training step with ``micro_batches=16`` (GPipe:
    all forwards, then all backwards, then SGD once); (b) forward only, ``g.pipeline`` of 16
@@ -44,6 +45,9 @@ K, CHAIN = 64, 33                        # 64x64 pieces; 33 x (add, relu, mm) = 
 N_OPS = 3 * CHAIN
 # 3. the GPT
 GPT_EMBD, GPT_LAYERS, GPT_HEADS, GPT_BATCH, GPT_SEQ, GPT_VOCAB, GPT_LR = 256, 4, 4, 16, 64, 64, 0.1
+# the larger width make bench also measures: 4x the matmul work per op, the same ops, so the
+# per-op cost of any Python subclass is a quarter of the share it has at 256
+GPT_EMBD_LARGE = 512
 # 4. the pipeline
 # 16 micro-batches of PP_MB rows; 128 rows (~3 ms of compute per stage and micro-batch) is where compute
 # dominates a hand-off between threads (~0.1-2 ms on 2 busy cores); --pp-rows 16 shows the latency-bound case
@@ -171,7 +175,7 @@ def _worker_tp(rank: int, world: int, quick: bool, check_steps: int = 4):
 
 
 # ------------------------------------------------------------------------------------ 3. DP GPT
-def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4):
+def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4, embd: int = GPT_EMBD):
     import os
 
     import torch
@@ -183,7 +187,7 @@ def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4):
     from gpt import GPT, GPTConfig, make_batch
 
     S = gt.sbp.split
-    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=GPT_EMBD)
+    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
     torch.manual_seed(0)
     base = GPT(cfg)
     idx, tgt = make_batch(cfg, GPT_BATCH, GPT_SEQ, torch.Generator().manual_seed(1))
@@ -231,7 +235,7 @@ def _worker_dp(rank: int, world: int, quick: bool, check_steps: int = 4):
     colls = [f"{s.node.target}({s.node.label}, {s.nbytes} B)" for s in compiled.plan.tasks
              if s.stream.endswith(":collective")]
     return dict(times=t, losses=losses, plan=repr(compiled.plan).splitlines()[0], collectives=colls,
-                params=sum(q.numel() for q in base.parameters()))
+                params=sum(q.numel() for q in base.parameters()), embd=embd)
 
 
 # ------------------------------------------------------------------------------------ 4. pipeline
@@ -525,6 +529,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)}")
     ap.add_argument("--pp-rows", type=int, default=PP_MB, help="rows per pipeline micro-batch (default %(default)s)")
+    ap.add_argument("--dp-embd", type=int, default=GPT_EMBD, help="the dp part's GPT width (default %(default)s)")
     args = ap.parse_args(argv)
     os.environ["GT_BENCH_PP_ROWS"] = str(args.pp_rows)     # the spawned workers read it
     globals()["PP_MB"] = args.pp_rows
@@ -541,7 +546,7 @@ def main(argv=None) -> int:
         if part not in parts:
             continue
         try:
-            res = H.spawn(workers[part], 2, args.quick)
+            res = H.spawn(workers[part], 2, args.quick, *((4, args.dp_embd) if part == "dp" else ()))
         except Exception as e:  # noqa: BLE001 -- a failing part is reported in its rows, the others still run
             reason = str(e).strip().splitlines()[-1][:120]
             print(f"## part {part} failed:\n{e}\n")
@@ -553,9 +558,9 @@ def main(argv=None) -> int:
             _report_step(res, "hand", "hand-written", "## 2. Tensor-parallel MLP training step (tp_mlp.py's), "
                          "2 processes", "2. TP MLP step", summary)
         elif part == "dp":
-            _report_step(res, "ddp", "DDP", f"## 3. Data-parallel GPT training step (n_embd {GPT_EMBD}, {GPT_LAYERS} "
+            _report_step(res, "ddp", "DDP", f"## 3. Data-parallel GPT training step (n_embd {res['embd']}, {GPT_LAYERS} "
                          f"layers, batch {GPT_BATCH}x{GPT_SEQ}, {res['params'] / 1e6:.2f} M parameters), 2 processes",
-                         "3. DP GPT step", summary,
+                         f"3. DP GPT step (n_embd {res['embd']})", summary,
                          note="compiled collectives: " + ", ".join(res["collectives"]))
         else:
             _report_pp(res, summary)

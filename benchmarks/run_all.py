@@ -39,9 +39,13 @@ JOBS = {
     "boxing2": ("1-D boxing of 4 MB, 2 processes", lambda q: H.spawn(boxing._worker, 2, MB4, q, False)),
     "boxing4": ("1-D boxing of 4 MB, 4 processes", lambda q: H.spawn(boxing._worker, 4, MB4, q, False)),
     "tp": ("TP MLP step, 2 processes", lambda q: H.spawn(tp_mlp._worker, 2, q, "sq", 3)),
-    "dp": ("DP GPT step, 2 processes", lambda q: H.spawn(actor_runtime._worker_dp, 2, q)),
-    "floor": ("DP GPT step of one rank, plain / thin subclass / gt, 1 process",
+    "dp": ("DP GPT step (n_embd 256), 2 processes", lambda q: H.spawn(actor_runtime._worker_dp, 2, q)),
+    "dp512": ("DP GPT step (n_embd 512), 2 processes",
+              lambda q: H.spawn(actor_runtime._worker_dp, 2, q, 4, actor_runtime.GPT_EMBD_LARGE)),
+    "floor": ("DP GPT step of one rank (n_embd 256), plain / thin subclass / gt, 1 process",
               lambda q: H.spawn(subclass_floor._worker, 1, q)),
+    "floor512": ("DP GPT step of one rank (n_embd 512), plain / thin subclass / gt, 1 process",
+                 lambda q: H.spawn(subclass_floor._worker, 1, q, actor_runtime.GPT_EMBD_LARGE)),
     "hybrid": ("2x2 hybrid GPT step, 4 processes", lambda q: H.spawn(hybrid_gpt._worker, 4, q)),
     "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
     "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
@@ -112,7 +116,7 @@ def runtime_rows(part: str) -> Callable[[dict], list]:
             elif part == "tp":
                 actor_runtime._report_step(res, "hand", "hand-written", "", "2. TP MLP step", summary)
             elif part == "dp":
-                actor_runtime._report_step(res, "ddp", "DDP", "", "3. DP GPT step", summary)
+                actor_runtime._report_step(res, "ddp", "DDP", "", f"3. DP GPT step (n_embd {res['embd']})", summary)
             else:
                 actor_runtime._report_pp(res, summary)
         return [[f"traced: {r[0][3:]}"] + r[1:] for r in summary]
@@ -132,13 +136,15 @@ def model_rows(rows_in) -> list:
     return out
 
 
-def floor_rows(res) -> list:
+def floor_rows(embd: int) -> Callable[[dict], list]:
     """What any Python tensor subclass pays on one data-parallel rank's step (a floor to know, not
     a goal: the DP step's goal is against DDP, which runs no Python per op)."""
-    t = res["times"]
-    return [[f"DP GPT step of one rank (1 proc): {k} vs {peer}", f"{H.fmt(t[k])} ms", f"{peer} {H.fmt(t[peer])} ms",
-             f"{H.paired_ratio(t[k], t[peer]):.3f}x", "floor, no goal", "-"]
-            for k, peer in (("thin", "plain"), ("gt", "plain"), ("gt", "thin"))]
+    def rows(res) -> list:
+        t = res["times"]
+        return [[f"DP GPT step (n_embd {embd}) of one rank (1 proc): {k} vs {peer}", f"{H.fmt(t[k])} ms",
+                 f"{peer} {H.fmt(t[peer])} ms", f"{H.paired_ratio(t[k], t[peer]):.3f}x", "floor, no goal", "-"]
+                for k, peer in (("thin", "plain"), ("gt", "plain"), ("gt", "thin"))]
+    return rows
 
 
 def check_rows(res) -> list:
@@ -150,8 +156,10 @@ def check_rows(res) -> list:
 
 MEASURES = [
     Measure("eager", eager_rows),
-    Measure("dp", step_row("DP GPT step, eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
-    Measure("floor", floor_rows),
+    Measure("dp", step_row("DP GPT step (n_embd 256), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
+    Measure("dp512", step_row("DP GPT step (n_embd 512), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
+    Measure("floor", floor_rows(actor_runtime.GPT_EMBD)),
+    Measure("floor512", floor_rows(actor_runtime.GPT_EMBD_LARGE)),
     Measure("hybrid", step_row("2x2 hybrid GPT step, eager (4 procs)", "gt", "hand", "DDP+Megatron", 1.1)),
     Measure("boxing2", boxing_rows),
     Measure("boxing4", boxing_rows),
@@ -159,6 +167,7 @@ MEASURES = [
     Measure("rt_ops", runtime_rows("ops")),
     Measure("rt_tp", runtime_rows("tp")),
     Measure("dp", runtime_rows("dp")),
+    Measure("dp512", runtime_rows("dp")),
     Measure("rt_pp", runtime_rows("pp")),
     Measure("models", model_rows),
     Measure("check", check_rows),

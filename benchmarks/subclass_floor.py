@@ -54,7 +54,7 @@ def _thin_training_class():
     return Thin
 
 
-def _worker(rank: int, world: int, quick: bool) -> dict:
+def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
     import copy
 
     import torch
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, quick: bool) -> dict:
     from gpt import GPT, GPTConfig, make_batch
 
     Thin = _thin_training_class()
-    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=GPT_EMBD)
+    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
     torch.manual_seed(0)
     base = GPT(cfg)
     idx, tgt = make_batch(cfg, GPT_BATCH // 2, GPT_SEQ, torch.Generator().manual_seed(1))
@@ -93,10 +93,12 @@ def _worker(rank: int, world: int, quick: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    ap.add_argument("--embd", type=int, default=GPT_EMBD, help="the GPT's width (default %(default)s)")
     args = ap.parse_args(argv)
     print(H.header("subclass_floor"))
+    print(f"n_embd {args.embd}")
     t0 = time.time()
-    t = H.spawn(_worker, 1, args.quick)["times"]
+    t = H.spawn(_worker, 1, args.quick, args.embd)["times"]
     print(H.table(["step", "ms", "min ms", "/ plain (paired)"],
                   [[k, H.fmt(t[k]), H.fmt(t[k].min), f"{H.paired_ratio(t[k], t['plain']):.3f}x"] for k in t]))
     print(f"gt / thin (paired): {H.paired_ratio(t['gt'], t['thin']):.3f}x")
