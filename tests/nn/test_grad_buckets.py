@@ -172,3 +172,17 @@ def test_a_data_axis_of_one_rank_keeps_the_gradients_as_they_are(world4):
     m(x).square().mean().backward()
     grads = [_raw_grad.__get__(p) for p in m.parameters()]
     assert all(g.sbp == (B,) and g._pieces[0]._base is None for g in grads), "a gradient is a view of a bucket"
+
+
+def test_a_bucket_holds_at_most_bucket_bytes_unless_one_gradient_does(p1):
+    """A gradient that would take its bucket past ``bucket_bytes`` starts the next one (the bucket
+    before it is reduced first), as DDP's buckets: only a gradient larger than the limit makes a
+    larger bucket, on its own. (The gradients are copied into their bucket as they arrive.)"""
+    limit = 200                                              # 25 float64 elements
+    sizes = sorted(p.numel() for p in net().parameters())
+    _, _, stats = _train(p1, {}, limit, zero=False, backwards=1, steps=1)
+    # a ring all-reduce of n elements over 4 ranks sends 2 * 3 * n * 8 bytes in all
+    payloads = [sum(r.bytes_per_rank.values()) // 48 for r in stats.records if r.op == "all_reduce"]
+    assert sum(payloads) == sum(sizes)
+    assert all(n * 8 <= limit or n in sizes for n in payloads), payloads
+    assert any(1 < n and n * 8 <= limit for n in payloads), "small gradients share a bucket"

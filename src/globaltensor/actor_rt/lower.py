@@ -334,6 +334,8 @@ def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
             deadline[tid] = min((deadline[c] for c in succ[tid]), default=float("inf"))
         else:
             deadline[tid] = pos[tid]
+    for tid in _views_feeding_collectives(tasks, order, preds, is_collective):
+        deadline[tid] = -1
     gate: Dict[int, int] = {}                   # the latest collective it waits for (-1: none)
     for tid in order:
         gate[tid] = max([pos[tid] if is_collective(tid) else -1] + [gate[p] for p in preds[tid]])
@@ -352,6 +354,36 @@ def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
     if len(out) != len(order):
         raise CompileError("gt.compile: the captured graph has a cycle")
     return out
+
+
+def _views_feeding_collectives(tasks: List[TaskSpec], order: List[int], preds: Dict[int, set], is_collective) -> set:
+    """The tasks to run first: those whose only work is to make a view for a collective whose inputs
+    need nothing else (the targets a loss all-gathers to count its global mean: a view of an
+    argument). Run at their capture position, their collective would start only when the forward
+    reaches the loss and hold the compute stream there; run first, it is done by then."""
+    hoist = set()
+    for tid in order:
+        if not is_collective(tid):
+            continue
+        ancestors, todo, cheap = set(), list(preds[tid]), True
+        while todo and cheap:
+            a = todo.pop()
+            if a in ancestors or is_collective(a):
+                continue
+            ancestors.add(a)
+            cheap = _is_view(tasks[a].node)
+            todo.extend(preds[a])
+        if cheap:
+            hoist |= ancestors
+    return hoist
+
+
+def _is_view(node) -> bool:
+    """Whether ``node`` is an op whose results are views of its inputs (no data is computed)."""
+    if node is None or node.kind == "collective" or not hasattr(node.target, "_schema"):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,

@@ -10,7 +10,9 @@ as one flat collective over the partial axes: an all-reduce where the gradient i
 broadcast there, a reduce-scatter where it is wanted split (a ``ZeroOptimizer``'s parameters,
 marked ``_sharded_grad`` with their shard's nd-SBP). The parameters' gradients become the
 reduced ones -- the value and layout reading ``.grad`` would give (a split one is gathered when
-read, as before).
+read, as before). As in DDP, a gradient that would take an all-reduce bucket past the limit
+starts the next one, and each gradient is copied into its bucket's flat buffer when it arrives,
+so the copies spread over the backward instead of delaying the collective.
 
 Two modes. *Eager* (``overlap=True``, what :func:`bucket_gradients` and ``distribute_module``
 install): a full bucket's collective is started and runs while the backward goes on (gloo /
@@ -60,6 +62,7 @@ class GradBuckets:
         self.overlap = overlap
         self.pending: dict = {}        # bucket key -> [(param, partial gradient, target layout)]
         self.sizes: dict = {}
+        self.filling: dict = {}        # all-reduce bucket key -> its flat buffers, filled as gradients arrive
         self.started: list = []        # (started collectives, entries) of this backward
         self.handles: list = []
         self.watched: set = set()
@@ -121,16 +124,48 @@ class GradBuckets:
             return
         kind, want, axes = planned
         key = (g.placement, g.dtype, axes, kind)
-        self.pending.setdefault(key, []).append((p, g, want))
-        self.sizes[key] = self.sizes.get(key, 0) + g.numel() * g.element_size()
+        nbytes = g.numel() * g.element_size()
         task = torch._C._current_graph_task_id()
         if task != self.backward_id:           # the first gradient of this backward
             self.backward_id, self.flushed_once = task, False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        limit = self.bucket_bytes if self.flushed_once else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        if self.sizes[key] >= limit:
+        if kind == "all_reduce":
+            if key in self.pending and (self.sizes[key] + nbytes > self._limit() or not self._fits(key, g)):
+                self.flushed_once = True       # it would overflow the bucket: that goes first
+                self._flush(key)
+            self._fill(key, g)
+        self.pending.setdefault(key, []).append((p, g, want))
+        self.sizes[key] = self.sizes.get(key, 0) + nbytes
+        if self.sizes[key] >= self._limit():
             self.flushed_once = True
             self._flush(key)
+
+    def _limit(self) -> int:
+        return self.bucket_bytes if self.flushed_once else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+
+    def _fits(self, key, g: GlobalTensor) -> bool:
+        """Whether ``g``'s pieces fit in what its bucket's buffers have left (made for the limit when
+        the bucket began: the first bucket of a backward is smaller)."""
+        filling = self.filling.get(key)
+        return filling is None or all(filling[1][r] + t.numel() <= filling[0][r].numel() for r, t in g._pieces.items())
+
+    def _fill(self, key, g: GlobalTensor) -> None:
+        """Copy ``g``'s pieces into its all-reduce bucket's flat buffers, as DDP does, so that the
+        copies spread over the backward instead of one ``cat`` of the whole bucket delaying its
+        collective. A bucket over axes of one rank needs no reduction, hence no buffer."""
+        filling = self.filling.get(key)
+        if filling is None:
+            placement, dtype, axes, _ = key
+            if not _groups(placement, axes, get_world()):
+                return
+            filling = self.filling[key] = (
+                {r: torch.empty(max(self._limit() // g.element_size(), t.numel()), dtype=dtype, device=t.device)
+                 for r, t in g._pieces.items()}, dict.fromkeys(g._pieces, 0))
+        flats, used = filling
+        for r, t in g._pieces.items():
+            n = t.numel()
+            flats[r][used[r]:used[r] + n].view(t.shape).copy_(t)
+            used[r] += n
 
     def _end_of_backward(self) -> None:
         self.backward_id = None
@@ -146,7 +181,12 @@ class GradBuckets:
         self.sizes.pop(key, None)
         if not entries:
             return
-        finish = (_start_all_reduce if key[3] == "all_reduce" else _start_reduce_scatter)(key, entries, self.overlap)
+        filling = self.filling.pop(key, None)
+        if key[3] == "all_reduce":
+            flat = None if filling is None else {r: buf[:filling[1][r]] for r, buf in filling[0].items()}
+            finish = _start_all_reduce(key, entries, self.overlap, flat)
+        else:
+            finish = _start_reduce_scatter(key, entries, self.overlap)
         if self.overlap:
             self.started.append(finish)
         else:
@@ -196,15 +236,15 @@ def _groups(placement, axes, world) -> list:
     return groups
 
 
-def _start_all_reduce(key, entries, overlap: bool):
-    """Start one flat all-reduce per group over the bucket; returns what finishes it."""
+def _start_all_reduce(key, entries, overlap: bool, flat: Optional[dict]):
+    """Start one flat all-reduce per group over the bucket, whose gradients ``flat`` holds one after
+    the other (None: a bucket over axes of one rank); returns what finishes it."""
     placement, dtype, axes, _ = key
     world = get_world()
     held = [r for r in placement.rank_list() if world.holds(r)]
-    groups = _groups(placement, axes, world)
-    if not groups:                          # partial over axes of one rank: each piece is the sum
+    if flat is None:                        # partial over axes of one rank: each piece is the sum
         return functools.partial(_regrad, entries)
-    flat = {r: torch.cat([g._pieces[r].reshape(-1) for _, g, _ in entries]) for r in held}
+    groups = _groups(placement, axes, world)
     started = []
     for group in groups:
         mine = [r for r in group if world.holds(r)]
