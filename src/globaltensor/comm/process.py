@@ -307,37 +307,57 @@ class ProcessWorld(World):
         - the blocks received land where they belong when their places in the result lie back to
           back (row blocks again), else in a scratch buffer, each then copied once to its place;
         - this rank's own block stays out of the exchange (one copy, straight from the piece to its
-          place, instead of gloo's copy to itself and then to the place) unless leaving it out
-          would cost a packing copy the others' blocks did not need.
+          place, instead of gloo's copy to itself) unless that costs more copies: leaving a middle
+          block out breaks a run of blocks to send or of places to receive into.
         """
         me = self.rank
         i_me = group.index(me)
         mine = chunks[me]
-        out, dest = tile_places(tiles[me], dtype, mine[i_me].device)
+        device = mine[i_me].device
+        out, dest = tile_places(tiles[me], dtype, device)
         pg, order = self._pg(group)
-        ranked = sorted(range(len(group)), key=lambda j: order[j])
-        others = [j for j in ranked if j != i_me]
-        own_out = _flat_run([mine[j] for j in ranked]) is None or _flat_run([mine[j] for j in others]) is not None
-        peers = others if own_out else ranked
-        send_sizes = [mine[j].numel() if j in peers else 0 for j in ranked]
-        send, send_scratch = _pack([mine[j] for j in peers], sum(send_sizes), dtype, mine[i_me].device)
-        recv_sizes = [numel(shapes[j][i_me]) if j in peers else 0 for j in ranked]
-        places = [dest[j] for j in peers if dest[j] is not None and dest[j].numel()]
-        flat = _flat_run(places) if places else mine[i_me].new_empty(0)
+        ranked = sorted(range(len(group)), key=order.__getitem__)
+        at = ranked.index(i_me)
+        blocks, places = [mine[j] for j in ranked], [dest[j] for j in ranked]
+        send_sizes = [t.numel() for t in blocks]
+        recv_sizes = [numel(shapes[j][i_me]) for j in ranked]
+        own = send_sizes[at]
+        runs = {}
+        for out_of in (False, True):        # the send and receive runs with this rank's own block in, and out
+            keep = [k for k in range(len(ranked)) if not (out_of and k == at)]
+            runs[out_of] = (_flat_run([blocks[k] for k in keep], [send_sizes[k] for k in keep]),
+                            _flat_run([places[k] for k in keep], [recv_sizes[k] for k in keep]))
+        # elements copied besides the exchange: packing, unpacking (the own block is copied once either
+        # way: by gloo to itself, or by this rank straight to its place)
+        total_send, total_recv = sum(send_sizes), sum(recv_sizes)
+        cost = {out_of: (0 if runs[out_of][0] is not None else total_send - out_of * own)
+                + (0 if runs[out_of][1] is not None else total_recv - out_of * own) for out_of in (False, True)}
+        own_out = len(ranked) > 1 and cost[True] <= cost[False]
+        send_run, flat = runs[own_out]
+        if own_out:
+            send_sizes[at] = recv_sizes[at] = 0
+        send_scratch = None
+        if send_run is None:
+            send, send_scratch = _packed([b for k, b in enumerate(blocks) if send_sizes[k]], sum(send_sizes), dtype,
+                                         device)
+        else:
+            send = send_run
         recv_scratch = None
         if flat is None:
-            recv_scratch = _scratch.take(sum(recv_sizes), dtype, mine[i_me].device)
-            flat = recv_scratch[:sum(recv_sizes)]
+            recv_scratch = _scratch.take(sum(recv_sizes), dtype, device)
+            flat = recv_scratch
         self._run("all_to_all", group,
-                  lambda: dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg))
+                  lambda: dist.all_to_all_single(flat[:sum(recv_sizes)], send, recv_sizes, send_sizes, group=pg))
         if recv_scratch is not None:
-            for j, part in zip(ranked, torch.split(flat, recv_sizes)):
-                if part.numel():
-                    dest[j].copy_(part.view(dest[j].shape))
+            offset = 0
+            for place, n in zip(places, recv_sizes):
+                if n:
+                    place.copy_(flat[offset:offset + n].view(place.shape))
+                    offset += n
             _scratch.give(recv_scratch)
         if send_scratch is not None:
             _scratch.give(send_scratch)
-        if own_out and mine[i_me].numel():
+        if own_out and own:
             dest[i_me].copy_(mine[i_me])
         return {me: out}
 
@@ -392,19 +412,26 @@ class ProcessWorld(World):
         return out
 
 
-def _flat_run(tensors):
-    """The non-empty ``tensors`` as one flat view, when they are contiguous and lie back to back,
-    in order, in one storage; else None."""
-    nonempty = [t for t in tensors if t.numel()]
-    if not nonempty:
-        return None
-    base = nonempty[0]
-    ptr, storage = base.data_ptr(), base.untyped_storage().data_ptr()
-    for t in nonempty:
-        if not t.is_contiguous() or t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage:
+def _flat_run(tensors, sizes=None):
+    """The non-empty ``tensors`` (``sizes``: their numels) as one flat view, when they are
+    contiguous views of one base lying back to back, in order; else None."""
+    sizes = [t.numel() for t in tensors] if sizes is None else sizes
+    first = base = None
+    ptr = total = 0
+    for t, n in zip(tensors, sizes):
+        if not n:
+            continue
+        if first is None:
+            first, base, ptr = t, t._base, t.data_ptr()
+        elif base is None or t._base is not base or t.data_ptr() != ptr:
             return None
-        ptr += t.numel() * t.element_size()
-    return base.as_strided((sum(t.numel() for t in nonempty),), (1,), base.storage_offset())
+        if not t.is_contiguous():
+            return None
+        ptr += n * t.element_size()
+        total += n
+    if first is None:
+        return None
+    return first.as_strided((total,), (1,), first.storage_offset())
 
 
 def _pack(chunks, total: int, dtype, device) -> tuple:
@@ -416,8 +443,11 @@ def _pack(chunks, total: int, dtype, device) -> tuple:
     into a scratch buffer (``reshape(-1)`` then ``cat`` would copy them twice).
     """
     flat = _flat_run(chunks)
-    if flat is not None:
-        return flat, None
+    return (flat, None) if flat is not None else _packed(chunks, total, dtype, device)
+
+
+def _packed(chunks, total: int, dtype, device) -> tuple:
+    """The chunks copied one after the other into a scratch buffer: (the send view, the buffer)."""
     scratch = _scratch.take(total, dtype, device)
     send = scratch[:total]
     offset = 0
