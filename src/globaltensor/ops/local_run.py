@@ -80,15 +80,7 @@ class LocalRun:
                     out = call(*la, **lkw)
                 results = {r: out}
             else:
-                results = {}
-                for r in self.ranks:
-                    for i, _ in pairs:
-                        a[i] = args[i]._pieces[r]
-                    if local is None:
-                        out = results[r] = call(*a, **kwargs)
-                    else:
-                        la, lkw = local(r, targets, out_layouts, *a, **kwargs)
-                        out = results[r] = call(*la, **lkw)
+                results, out = self._each_rank(a, args, kwargs, pairs)
                 if not results:                 # no rank of the placement lives here
                     return slow(args, kwargs)
             if returned is not None:
@@ -118,7 +110,8 @@ class LocalRun:
                     v = a[i]
                     if type(v) is not GlobalTensor or v._layout is not target:
                         return slow(args, kwargs)
-                return self._run_ranks(a, args, kwargs, pairs, out_layout)
+                results, out = self._each_rank(a, args, kwargs, pairs)
+                return wrap_fresh(out_layout, results, self.device, out) if results else slow(args, kwargs)
             for i, target in pairs:
                 v = a[i]
                 if type(v) is not GlobalTensor or v._layout is not target:
@@ -132,9 +125,10 @@ class LocalRun:
             return wrap_fresh(out_layout, {r: out}, self.device, out)
         return run
 
-    def _run_ranks(self, a: list, args, kwargs, pairs: list, out_layout):
-        """The fresh-result run on several held ranks (simulated worlds), inputs checked."""
-        results = {}
+    def _each_rank(self, a: list, args, kwargs, pairs: list) -> tuple:
+        """The op on each held rank's pieces (simulated worlds hold several), inputs already
+        checked: {rank: result}, and the last result."""
+        results, out = {}, None
         for r in self.ranks:
             for i, _ in pairs:
                 a[i] = args[i]._pieces[r]
@@ -143,9 +137,7 @@ class LocalRun:
             else:
                 la, lkw = self.local(r, self.targets, self.out_layouts, *a, **kwargs)
                 out = results[r] = self.call(*la, **lkw)
-        if not results:                 # no rank of the placement lives here
-            return self(args, kwargs)
-        return wrap_fresh(out_layout, results, self.device, out)
+        return results, out
 
     def _wrap_several(self, results: dict, out) -> tuple:
         """A tuple / list result of fresh tensors (None where the op left an entry out)."""
