@@ -31,9 +31,10 @@ def _strides_like(piece: torch.Tensor, shape: tuple):
     gradient then reads as non-contiguous, so autograd and ``.contiguous()`` treat it as torch
     does instead of running later ops on strided pieces unawares.
     """
-    if piece.dim() != len(shape):
+    stride = piece.stride()
+    if len(stride) != len(shape):
         return None
-    order = sorted(range(piece.dim()), key=lambda d: (-piece.stride(d), d))
+    order = sorted(range(len(stride)), key=stride.__getitem__, reverse=True)     # stable: ties by dim
     strides, step = [0] * len(shape), 1
     for d in reversed(order):
         strides[d] = step

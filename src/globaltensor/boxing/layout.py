@@ -20,6 +20,8 @@ class Layout:
 
     def __post_init__(self):
         object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.placement, self.nd_sbp)))
+        object.__setattr__(self, "_shapes", {})     # rank -> piece shape: ops ask per call (views)
+        object.__setattr__(self, "_boxes", {})
 
     def __hash__(self) -> int:
         return self._hash
@@ -31,10 +33,20 @@ class Layout:
 
     def box(self, rank: int) -> tuple:
         """(start, length) per dim of ``rank``'s piece."""
-        return piece_ranges(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
+        try:
+            return self._boxes[rank]
+        except KeyError:
+            box = self._boxes[rank] = piece_ranges(self.shape, self.placement.hierarchy, self.nd_sbp,
+                                                   self.placement.coord(rank))
+            return box
 
     def piece_shape(self, rank: int) -> tuple:
-        return piece_shape(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
+        try:
+            return self._shapes[rank]
+        except KeyError:
+            shape = self._shapes[rank] = piece_shape(self.shape, self.placement.hierarchy, self.nd_sbp,
+                                                     self.placement.coord(rank))
+            return shape
 
     @property
     def blocked(self) -> bool:

@@ -87,7 +87,7 @@ class LocalRun:
                 return args[returned]
             if several:
                 return self._wrap_several(results, out)
-            if may_return_self:
+            if may_return_self and (self.single is None or any(out is a[i] for i, _ in pairs)):
                 same = self._same_input(results, [args[i] for i in flat])
                 if same is not None:
                     return same

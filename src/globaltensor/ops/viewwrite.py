@@ -115,10 +115,11 @@ class _ViewRun:
 
     def __init__(self, run, func, pos, target):
         self.run, self.func, self.pos, self.target = run, func, pos, target
+        self.index = pos[1] if pos[0] == 0 and pos[2] is None else None     # a plain positional argument
 
     def __call__(self, args, kwargs):
         out = self.run(args, kwargs)
-        base = get(args, kwargs, self.pos)
+        base = args[self.index] if self.index is not None else get(args, kwargs, self.pos)
         if type(base) is GlobalTensor and ((base._layout is not self.target and base._layout != self.target) or
                                            getattr(base, "_view_of", None) is not None):
             remember(out, base, self.func, args, kwargs)
