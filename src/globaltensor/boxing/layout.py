@@ -33,20 +33,16 @@ class Layout:
 
     def box(self, rank: int) -> tuple:
         """(start, length) per dim of ``rank``'s piece."""
-        try:
-            return self._boxes[rank]
-        except KeyError:
-            box = self._boxes[rank] = piece_ranges(self.shape, self.placement.hierarchy, self.nd_sbp,
-                                                   self.placement.coord(rank))
-            return box
+        box = self._boxes.get(rank)
+        return box if box is not None else self._per_rank(self._boxes, piece_ranges, rank)
 
     def piece_shape(self, rank: int) -> tuple:
-        try:
-            return self._shapes[rank]
-        except KeyError:
-            shape = self._shapes[rank] = piece_shape(self.shape, self.placement.hierarchy, self.nd_sbp,
-                                                     self.placement.coord(rank))
-            return shape
+        shape = self._shapes.get(rank)
+        return shape if shape is not None else self._per_rank(self._shapes, piece_shape, rank)
+
+    def _per_rank(self, cache: dict, fn, rank: int) -> tuple:
+        value = cache[rank] = fn(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
+        return value
 
     @property
     def blocked(self) -> bool:
