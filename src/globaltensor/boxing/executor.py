@@ -11,7 +11,7 @@ import torch
 
 from ..comm import profile_context as attribution
 from ..comm.consistency import CHECK as _check, confirm_boxing
-from ..comm.world import World, tile_places
+from ..comm.world import World, narrowed, tile_places
 from .layout import intersect, relative, take
 from .plan import Plan, Step
 
@@ -75,13 +75,6 @@ def _no_meta(step: Step, world: World) -> None:
 def _cuts(rel: tuple, shape: tuple) -> tuple:
     """``(dim, start, length)`` for each dim where the box ``rel`` does not span ``shape``."""
     return tuple((d, s, l) for d, ((s, l), n) in enumerate(zip(rel, shape)) if s != 0 or l != n)
-
-
-def _cut(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
-    """The view of ``t`` that ``cuts`` (see _cuts) select."""
-    for d, s, l in cuts:
-        t = t.narrow(d, s, l)
-    return t
 
 
 def _local(group, world):
@@ -210,7 +203,7 @@ def _all_to_all(step: Step, groups, pieces, world):
         for i, s in enumerate(g):
             if s in sends:
                 t = pieces[s]
-                chunks[s] = [_cut(t, c) if c is not None else t.new_empty(shapes[i][j])
+                chunks[s] = [narrowed(t, c) if c is not None else t.new_empty(shapes[i][j])
                              for j, c in enumerate(sends[s])]
         out.update(world.all_to_all(g, chunks, shapes, dtype, tiles))
     return out
@@ -230,7 +223,7 @@ def _prepare_slice(step: Step, world: World) -> dict:
 
 def _slice(step: Step, cuts, pieces, world):
     out = {}
-    for r, t in pieces.items():         # a loop, not a comprehension and _cut: fewer Python calls
+    for r, t in pieces.items():         # a loop, not a comprehension and narrowed: fewer Python calls
         for d, s, l in cuts[r]:
             t = t.narrow(d, s, l)
         out[r] = t.clone()
@@ -273,14 +266,12 @@ def _to_partial(step: Step, meta, pieces, world):
             out[r] = torch.zeros_like(t)
         else:
             shape, zero_all, slabs, block = how
-            z = b = t.new_empty(shape)
+            z = t.new_empty(shape)
             if zero_all:
                 z.zero_()
             for d, s, l in slabs:
                 z.narrow(d, s, l).zero_()
-            for d, s, l in block:
-                b = b.narrow(d, s, l)
-            b.copy_(t)
+            narrowed(z, block).copy_(t)
             out[r] = z
     return out
 
@@ -325,7 +316,7 @@ def _prepare_send_recv(step: Step, world: World) -> tuple:
 
 def _send_recv(step: Step, meta, pieces, world):
     sends, receives = meta
-    payload = {i: _cut(pieces[step.transfers[i].src], c) for i, c in sends.items()}
+    payload = {i: narrowed(pieces[step.transfers[i].src], c) for i, c in sends.items()}
     got = world.send_recv(step.transfers, payload, step.src.dtype, step.src.placement.type)
     out = {}
     for r, (device, mine, how) in receives.items():

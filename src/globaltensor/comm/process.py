@@ -287,7 +287,7 @@ class ProcessWorld(World):
                 self._run("reduce_scatter", group, work.wait)
                 return {me: out}
             return Started(finish_nccl)
-        by_group_rank = sorted(range(len(group)), key=lambda j: order[j])
+        by_group_rank = sorted(range(len(group)), key=order.__getitem__)
         send_sizes = [sizes[j] for j in by_group_rank]
         send = x if by_group_rank == list(range(len(group))) else torch.cat([parts[j] for j in by_group_rank])
         recv = torch.empty(sizes[i_me] * len(group), dtype=x.dtype, device=x.device)
@@ -315,49 +315,22 @@ class ProcessWorld(World):
         mine = chunks[me]
         device = mine[i_me].device
         out, dest = tile_places(tiles[me], dtype, device)
-        pg, order = self._pg(group)
+        received = [shapes[j][i_me] for j in range(len(group))]
+        _, order = self._pg(group)
         ranked = sorted(range(len(group)), key=order.__getitem__)
-        at = ranked.index(i_me)
-        blocks, places = [mine[j] for j in ranked], [dest[j] for j in ranked]
-        send_sizes = [t.numel() for t in blocks]
-        recv_sizes = [numel(shapes[j][i_me]) for j in ranked]
-        own = send_sizes[at]
-        runs = {}
-        for out_of in (False, True):        # the send and receive runs with this rank's own block in, and out
-            keep = [k for k in range(len(ranked)) if not (out_of and k == at)]
-            runs[out_of] = (_flat_run([blocks[k] for k in keep], [send_sizes[k] for k in keep]),
-                            _flat_run([places[k] for k in keep], [recv_sizes[k] for k in keep]))
-        # elements copied besides the exchange: packing, unpacking (the own block is copied once either
-        # way: by gloo to itself, or by this rank straight to its place)
-        total_send, total_recv = sum(send_sizes), sum(recv_sizes)
-        cost = {out_of: (0 if runs[out_of][0] is not None else total_send - out_of * own)
-                + (0 if runs[out_of][1] is not None else total_recv - out_of * own) for out_of in (False, True)}
-        own_out = len(ranked) > 1 and cost[True] <= cost[False]
-        send_run, flat = runs[own_out]
+        own_out, direct = _own_block_out([mine[j] for j in ranked], [dest[j] for j in ranked],
+                                         [numel(received[j]) for j in ranked], ranked.index(i_me))
+        send = list(mine)
         if own_out:
-            send_sizes[at] = recv_sizes[at] = 0
-        send_scratch = None
-        if send_run is None:
-            send, send_scratch = _packed([b for k, b in enumerate(blocks) if send_sizes[k]], sum(send_sizes), dtype,
-                                         device)
-        else:
-            send = send_run
-        recv_scratch = None
-        if flat is None:
-            recv_scratch = _scratch.take(sum(recv_sizes), dtype, device)
-            flat = recv_scratch
-        self._run("all_to_all", group,
-                  lambda: dist.all_to_all_single(flat[:sum(recv_sizes)], send, recv_sizes, send_sizes, group=pg))
-        if recv_scratch is not None:
-            offset = 0
-            for place, n in zip(places, recv_sizes):
-                if n:
-                    place.copy_(flat[offset:offset + n].view(place.shape))
-                    offset += n
-            _scratch.give(recv_scratch)
-        if send_scratch is not None:
-            _scratch.give(send_scratch)
-        if own_out and own:
+            send[i_me], received[i_me] = mine[i_me].new_empty(0), (0,)
+        recv = direct if direct is not None else _scratch.take(sum(numel(r) for r in received), dtype, device)
+        got = self._exchange(group, send, received, dtype, recv)
+        if direct is None:
+            for place, part in zip(dest, got):
+                if place is not None and part.numel():
+                    place.copy_(part)
+            _scratch.give(recv)
+        if own_out and mine[i_me].numel():
             dest[i_me].copy_(mine[i_me])
         return {me: out}
 
@@ -370,7 +343,7 @@ class ProcessWorld(World):
         that need packing are packed into a scratch send buffer (see _pack).
         """
         pg, order = self._pg(group)
-        by_group_rank = sorted(range(len(group)), key=lambda j: order[j])
+        by_group_rank = sorted(range(len(group)), key=order.__getitem__)
         send_sizes = [mine[j].numel() for j in by_group_rank]
         send, scratch = _pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, recv.device)
         recv_sizes = [numel(received[j]) for j in by_group_rank]
@@ -412,6 +385,26 @@ class ProcessWorld(World):
         return out
 
 
+def _own_block_out(blocks: list, places: list, sizes: list, at: int) -> tuple:
+    """Whether this rank's own block (``blocks[at]``, to ``places[at]``; all in group-rank order,
+    ``sizes`` the numels received) should stay out of the exchange, and the run of places the
+    exchange can then receive straight into (None: through a scratch buffer).
+
+    Counted in elements copied besides the exchange -- packing what is sent, unpacking what is
+    received; the own block is copied once either way, by gloo to itself or by this rank to its
+    place -- leaving a middle block out can cost more: it breaks a run."""
+    sent, total = sum(b.numel() for b in blocks), sum(sizes)
+    cost, runs = {}, {}
+    for out in (False, True):
+        keep = [k for k in range(len(blocks)) if not (out and k == at)]
+        send = _flat_run([blocks[k] for k in keep])
+        runs[out] = _flat_run([places[k] for k in keep], [sizes[k] for k in keep])
+        own = sizes[at] if out else 0
+        cost[out] = (0 if send is not None else sent - own) + (0 if runs[out] is not None else total - own)
+    out = len(blocks) > 1 and cost[True] <= cost[False]
+    return out, runs[out]
+
+
 def _flat_run(tensors, sizes=None):
     """The non-empty ``tensors`` (``sizes``: their numels) as one flat view, when they are
     contiguous views of one base lying back to back, in order; else None."""
@@ -443,11 +436,8 @@ def _pack(chunks, total: int, dtype, device) -> tuple:
     into a scratch buffer (``reshape(-1)`` then ``cat`` would copy them twice).
     """
     flat = _flat_run(chunks)
-    return (flat, None) if flat is not None else _packed(chunks, total, dtype, device)
-
-
-def _packed(chunks, total: int, dtype, device) -> tuple:
-    """The chunks copied one after the other into a scratch buffer: (the send view, the buffer)."""
+    if flat is not None:
+        return flat, None
     scratch = _scratch.take(total, dtype, device)
     send = scratch[:total]
     offset = 0

@@ -62,19 +62,18 @@ def all_reduce_bytes(group: tuple, numel: int, itemsize: int) -> Dict[int, int]:
     return {r: 2 * b for r, b in stats.ring_bytes(group, chunk).items()}
 
 
+def narrowed(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    """The view of ``t`` that ``cuts`` select: narrowings ``((dim, start, length), ...)``."""
+    for d, start, length in cuts:
+        t = t.narrow(d, start, length)
+    return t
+
+
 def tile_places(tile: tuple, dtype, device) -> tuple:
     """A new tensor of ``tile``'s shape and, per member, the view its block fills (None: empty)."""
     shape, places = tile
     out = torch.empty(shape, dtype=dtype, device=device)
-    views = []
-    for cuts in places:
-        view = None
-        if cuts is not None:
-            view = out
-            for d, start, length in cuts:
-                view = view.narrow(d, start, length)
-        views.append(view)
-    return out, views
+    return out, [None if cuts is None else narrowed(out, cuts) for cuts in places]
 
 
 class Started:
