@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/hybrid_gpt.py [--quick]
 
 4 gloo processes on a [[0, 1], [2, 3]] placement (axis 0: data, axis 1: tensor), examples/gpt.py
-at actor_runtime.py's data-parallel sizes (n_embd 256, 4 layers, 4 heads, batch 16 x 64), SGD.
+at actor_runtime.py's data-parallel sizes (n_embd 256, 4 layers, 4 heads, batch 16 x 64; ``--embd``
+another width), SGD.
 
 - gt: ``gt.nn.distribute_module(model, placement, megatron_plan(...))`` (qkv and fc1 column
   parallel, proj and fc2 row parallel on the tensor axis, everything broadcast on the data axis),
@@ -90,7 +91,7 @@ def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
     return DDP(model, process_group=dp_group)
 
 
-def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
+def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, check_steps: int = 3):
     import torch
     import torch.distributed as dist
 
@@ -100,7 +101,7 @@ def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
     from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch
 
     S, B = gt.sbp.split, gt.sbp.broadcast
-    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=GPT_EMBD)
+    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
     torch.manual_seed(0)
     base = GPT(cfg)
     idx, tgt = make_batch(cfg, GPT_BATCH, GPT_SEQ, torch.Generator().manual_seed(1))
@@ -143,10 +144,12 @@ def _worker(rank: int, world: int, quick: bool, check_steps: int = 3):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    ap.add_argument("--embd", type=int, default=GPT_EMBD, help="the GPT's width (default %(default)s)")
     args = ap.parse_args(argv)
     print(H.header("hybrid_gpt"))
+    print(f"n_embd {args.embd}")
     t0 = time.time()
-    res = H.spawn(_worker, 4, args.quick)
+    res = H.spawn(_worker, 4, args.quick, args.embd)
     t = res["times"]
     r = H.paired_ratio(t["gt"], t["hand"])
     print(H.table(["version", "ms per step", "min ms", "gt / hand (paired)"],

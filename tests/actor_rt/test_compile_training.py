@@ -193,6 +193,23 @@ def test_bucketed_gradients_fewer_collectives_same_bytes(p1):
     assert_parameters_close(m_b, m_e, "eager bucketed step")
 
 
+def test_a_bucket_is_reduced_in_its_own_buffer(p1):
+    """The compiled bucket's all-reduce writes the sums into the flat buffer the graph filled (no
+    copy of the bucket on the collective stream, as DDP reduces its buckets), and is ordered as
+    the write it is; a gradient reduced on its own is copied first, since it may be read again."""
+    for bucket_bytes, want in ((25 * 2 ** 20, "all_reduce_in_place"), (0, "all_reduce")):
+        m, opt, step = module_maker(p1, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                    bucket_bytes=bucket_bytes)()
+        g = gt.compile(step, bucket_bytes=bucket_bytes)
+        batches = _batches(p1, S(0))
+        g(*batches(0))
+        g(*batches(1))
+        reductions = [t.node for t in g.plan.tasks if t.stream.endswith(":collective") and "all_reduce" in t.node.target]
+        assert reductions and {n.target for n in reductions} == {want}, (bucket_bytes, [n.target for n in reductions])
+        assert all(bool(n.writes) == (want == "all_reduce_in_place") and set(n.writes) <= set(n.reads)
+                   for n in reductions)
+
+
 def test_small_buckets_give_several_all_reduces(p1):
     m, small = _dp_step_stats(p1, 512, compiled=True)
     n_params = len(list(m.parameters()))

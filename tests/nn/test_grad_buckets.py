@@ -186,3 +186,40 @@ def test_a_bucket_holds_at_most_bucket_bytes_unless_one_gradient_does(p1):
     assert sum(payloads) == sum(sizes)
     assert all(n * 8 <= limit or n in sizes for n in payloads), payloads
     assert any(1 < n and n * 8 <= limit for n in payloads), "small gradients share a bucket"
+
+
+def _storages(m) -> dict:
+    """Each parameter's gradient's pieces' storage addresses (ints: no reference is kept)."""
+    return {name: {r: t.untyped_storage().data_ptr() for r, t in p.grad._pieces.items()}
+            for name, p in m.named_parameters()}
+
+
+def test_bucket_memory_is_filled_again_once_its_gradients_are_cleared(p1):
+    """The gradients are views of their bucket's flat buffer (reduced in place, as in a process
+    world). Once ``zero_grad`` has dropped them, the next backward fills the same buffers, as DDP
+    keeps its buckets: fresh memory every step would cost a page fault per page it copies into."""
+    m = gnn.distribute_module(net().double(), p1, {})
+    x = gt.randn(8, 6, placement=p1, sbp=S(0), dtype=torch.float64)
+    m(x).square().mean().backward()
+    first = _storages(m)
+    assert len({a for per_rank in first.values() for a in per_rank.values()}) == 4, "one bucket, one buffer per rank"
+    m.zero_grad()
+    m(x).square().mean().backward()
+    assert _storages(m) == first
+
+
+def test_a_gradient_still_held_keeps_its_value_when_the_next_backward_buckets(p1):
+    """A bucket's buffer is filled again only when nothing holds any of its gradients: one kept by
+    the program (a copy of ``.grad`` for logging, say) is left as it was, and the next backward
+    takes new memory."""
+    m = gnn.distribute_module(net().double(), p1, {})
+    x = gt.randn(8, 6, placement=p1, sbp=S(0), dtype=torch.float64)
+    m(x).square().mean().backward()
+    kept = m.blocks[0].up.weight.grad
+    value = kept.full_tensor().clone()
+    before = _storages(m)
+    m.zero_grad()
+    (2 * m(x)).square().mean().backward()
+    assert torch.equal(kept.full_tensor(), value)
+    assert _storages(m) != before
+    torch.testing.assert_close(m.blocks[0].up.weight.grad.full_tensor(), 4 * value, rtol=0, atol=0)

@@ -33,6 +33,7 @@ from .graph import Captured, Node, Output, Ref, StorageRef, Value
 aten = torch.ops.aten
 _HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default, aten.item.default}
 _raw_grad = torch._C.TensorBase.grad
+_IN_PLACE = {"all_reduce_in_place"}      # collectives that may write their inputs (comm.world)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -320,7 +321,8 @@ class Tracer(TorchDispatchMode):
                     ([Ref(self.vid_of[id(x)]) if isinstance(x, torch.Tensor) else x for x in leaves], spec),
                     [], out_spec, self._label(name), rank=ranks[0] if ranks else None,
                     ranks=tuple(ranks), segment=self.segment, backward=self.backward, inputs=tuple(inputs),
-                    reads=tuple({self.values[v].storage for v in inputs} - {None}), stream="collective")
+                    reads=tuple({self.values[v].storage for v in inputs} - {None}), stream="collective",
+                    writes=tuple({self.values[v].storage for v in inputs} - {None}) if name in _IN_PLACE else ())
         node.device = next((o.device for o in out_leaves if isinstance(o, torch.Tensor)), None)
         self.nodes.append(node)
         owner = [ranks_out[k] for k, v in (out or {}).items() for _ in (v if isinstance(v, (list, tuple)) else [v])]

@@ -251,15 +251,19 @@ class ProcessWorld(World):
 
     def _all_reduce(self, group, pieces):
         me = self.rank
+        return self._all_reduce_in_place(group, {me: pieces[me].clone(memory_format=torch.contiguous_format)})
+
+    def _all_reduce_in_place(self, group, pieces):
+        me = self.rank
         pg, _ = self._pg(group)
-        t = pieces[me].clone(memory_format=torch.contiguous_format)
+        t = pieces[me].contiguous()
         self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg))
         return {me: t}
 
     def _all_reduce_async(self, group, pieces):
         me = self.rank
         pg, _ = self._pg(group)
-        t = pieces[me].contiguous()                  # reduced in place (all_reduce_async's contract)
+        t = pieces[me].contiguous()
         work = self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg, async_op=True))
 
         def finish():

@@ -52,8 +52,17 @@ class SimulatedWorld(World):
         total = _sum([pieces[r] for r in group])
         return {r: total if i == 0 else total.clone() for i, r in enumerate(group)}
 
+    def _all_reduce_in_place(self, group, pieces):
+        """The sum written into every member's piece, as a process world's backend does: what was
+        made from those pieces sees the sums alike on simulated ranks and in processes."""
+        _all_arrived("all_reduce", group, pieces)
+        total = _sum([pieces[r] for r in group])
+        for r in group:
+            pieces[r].copy_(total)
+        return {r: pieces[r] for r in group}
+
     def _all_reduce_async(self, group, pieces):
-        return Started(_thread().submit(self._all_reduce, group, pieces).result)
+        return Started(_thread().submit(self._all_reduce_in_place, group, pieces).result)
 
     def _reduce_scatter_async(self, group, pieces, sizes):
         return Started(_thread().submit(self._reduce_scatter, group, pieces, 0, sizes).result)

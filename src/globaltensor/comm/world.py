@@ -139,14 +139,23 @@ class World(ABC):
         stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
         return _run("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces))
 
+    def all_reduce_in_place(self, group: tuple, pieces: Pieces) -> Pieces:
+        """``all_reduce`` that may write the sums into the pieces given (process worlds do; a
+        simulated world returns new tensors): give contiguous tensors nothing else reads, such as
+        a gradient bucket's flat buffer. It spares the copy ``all_reduce`` makes to leave its
+        input as it was."""
+        t = next(iter(pieces.values()))
+        stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
+        return _run("all_reduce_in_place", self, (group, pieces), lambda: self._all_reduce_in_place(group, pieces))
+
     def all_reduce_async(self, group: tuple, pieces: Pieces) -> Started:
-        """``all_reduce``, started: the data moves while the caller goes on (process worlds: the
-        backend's async work; simulated: a communication thread). Counted when started. The
-        pieces may be reduced in place: give tensors nothing else reads until it is done."""
+        """``all_reduce_in_place``, started: the data moves while the caller goes on (process
+        worlds: the backend's async work; simulated: a communication thread). Counted when started."""
         t = next(iter(pieces.values()))
         stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
         if _observer is not None:           # a traced call records it as the collective it is
-            return done(_observer("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces)))
+            return done(_observer("all_reduce_in_place", self, (group, pieces),
+                                  lambda: self._all_reduce_in_place(group, pieces)))
         return self._all_reduce_async(group, pieces)
 
     def reduce_scatter_async(self, group: tuple, pieces: Pieces, sizes: Sequence[int]) -> Started:
@@ -202,8 +211,11 @@ class World(ABC):
         _run("count", self, (op, group, bytes_per_rank), lambda: stats.record(op, group, bytes_per_rank))
 
     # -- implementations ----------------------------------------------------------------
+    def _all_reduce_in_place(self, group, pieces) -> Pieces:
+        return self._all_reduce(group, pieces)
+
     def _all_reduce_async(self, group, pieces) -> Started:
-        return done(self._all_reduce(group, pieces))
+        return done(self._all_reduce_in_place(group, pieces))
 
     def _reduce_scatter_async(self, group, pieces, sizes) -> Started:
         return done(self._reduce_scatter(group, pieces, 0, sizes))

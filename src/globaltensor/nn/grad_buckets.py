@@ -69,6 +69,8 @@ class GradBuckets:
         self.backward_id = None        # autograd's id of the backward running (a new one: a new end callback)
         self.flushed_once = False      # the first bucket of each backward is small (FIRST_BUCKET_BYTES)
         self.syncing = True
+        self.made: list = []           # the flat buffers this backward fills
+        self.spare: dict = {}          # (numel, dtype, device) -> the last backward's, to fill again when free
 
     def watch(self, p) -> None:
         """Bucket ``p``'s gradient from now on, if it is a global leaf that gets one."""
@@ -159,7 +161,7 @@ class GradBuckets:
             if not _groups(placement, axes, get_world()):
                 return
             filling = self.filling[key] = (
-                {r: torch.empty(max(self._limit() // g.element_size(), t.numel()), dtype=dtype, device=t.device)
+                {r: self._buffer(max(self._limit() // g.element_size(), t.numel()), dtype, t.device)
                  for r, t in g._pieces.items()}, dict.fromkeys(g._pieces, 0))
         flats, used = filling
         for r, t in g._pieces.items():
@@ -167,8 +169,26 @@ class GradBuckets:
             flats[r][used[r]:used[r] + n].view(t.shape).copy_(t)
             used[r] += n
 
+    def _buffer(self, numel: int, dtype, device) -> torch.Tensor:
+        """A flat buffer for a new bucket: one the last backward filled, of this size, once nothing
+        holds it any more (its gradients were cleared or replaced), else a new one. DDP keeps its
+        buckets for the same reason: memory the allocator hands out afresh costs a page fault per
+        page when first written, and the copies into a bucket would pay them every step."""
+        spare = self.spare.get((numel, dtype, device), [])
+        buf = next((b for b in spare if _sole_holder(b)), None)
+        if buf is None:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+        else:
+            spare.remove(buf)
+        self.made.append(buf)
+        return buf
+
     def _end_of_backward(self) -> None:
         self.backward_id = None
+        self.spare = {}
+        for buf in self.made:
+            self.spare.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+        self.made = []
         for key in list(self.pending):
             self._flush(key)
         started, self.started = self.started, []
@@ -191,6 +211,12 @@ class GradBuckets:
             self.started.append(finish)
         else:
             finish()
+
+
+def _sole_holder(buf: torch.Tensor) -> bool:
+    """Whether ``buf`` is the only tensor on its storage: no gradient, view or piece made from it
+    is alive. (The count includes the reference the storage object made here holds.)"""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
 
 
 def _plan(p, g: GlobalTensor, overlap: bool) -> Optional[tuple]:
@@ -254,7 +280,7 @@ def _start_all_reduce(key, entries, overlap: bool, flat: Optional[dict]):
         elif overlap:
             started.append(world.all_reduce_async(group, {r: flat[r] for r in mine}))
         else:
-            started.append(done(world.all_reduce(group, {r: flat[r] for r in mine})))
+            started.append(done(world.all_reduce_in_place(group, {r: flat[r] for r in mine})))
 
     def finish():
         reduced = dict(flat)
