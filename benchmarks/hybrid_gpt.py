@@ -34,16 +34,15 @@ def _settings(quick: bool) -> dict:
     return dict(warmup=1, repeats=3, inner=1) if quick else dict(warmup=2, repeats=11, inner=1)
 
 
-def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
-    """This rank's shard of ``base`` with Megatron's f / g on ``tp_group``, wrapped in DDP over ``dp_group``."""
+def megatron_shards(base, tp_rank: int, tp: int, copy_to_tp, reduce_from_tp):
+    """A copy of ``base`` holding tensor rank ``tp_rank``'s Megatron shards (of ``tp``): qkv / fc1 split by
+    output features (whole heads), proj / fc2 by input features, ``copy_to_tp`` (Megatron's f) before
+    the column-parallel layers and ``reduce_from_tp`` (g) after the row-parallel ones."""
     import copy
 
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    copy_to_tp, reduce_from_tp = H.megatron_f_g(tp_group)       # f before column-parallel layers, g after row-parallel
 
     def column(lin: nn.Linear) -> nn.Linear:
         n = lin.out_features // tp
@@ -88,7 +87,14 @@ def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
     for block in model.blocks:
         block.attn = Attention(block.attn)
         block.mlp = MLP(block.mlp)
-    return DDP(model, process_group=dp_group)
+    return model
+
+
+def _hand_written(base, dp_group, tp_group, tp_rank: int, tp: int):
+    """This rank's shard of ``base`` with Megatron's f / g on ``tp_group``, wrapped in DDP over ``dp_group``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(megatron_shards(base, tp_rank, tp, *H.megatron_f_g(tp_group)), process_group=dp_group)
 
 
 def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, check_steps: int = 3):

@@ -49,6 +49,10 @@ JOBS = {
     "hybrid": ("2x2 hybrid GPT step (n_embd 256), 4 processes", lambda q: H.spawn(hybrid_gpt._worker, 4, q)),
     "hybrid512": ("2x2 hybrid GPT step (n_embd 512), 4 processes",
                   lambda q: H.spawn(hybrid_gpt._worker, 4, q, actor_runtime.GPT_EMBD_LARGE)),
+    "hfloor": ("2x2 hybrid GPT step of one rank (n_embd 256), plain / thin subclass, 1 process",
+               lambda q: H.spawn(subclass_floor._worker_hybrid, 1, q)),
+    "hfloor512": ("2x2 hybrid GPT step of one rank (n_embd 512), plain / thin subclass, 1 process",
+                  lambda q: H.spawn(subclass_floor._worker_hybrid, 1, q, actor_runtime.GPT_EMBD_LARGE)),
     "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
     "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
     "rt_pp": ("pipeline, 2 processes", lambda q: H.spawn(actor_runtime._worker_pp, 2, q)),
@@ -138,14 +142,14 @@ def model_rows(rows_in) -> list:
     return out
 
 
-def floor_rows(embd: int) -> Callable[[dict], list]:
-    """What any Python tensor subclass pays on one data-parallel rank's step (a floor to know, not
-    a goal: the DP step's goal is against DDP, which runs no Python per op)."""
+def floor_rows(step: str, embd: int) -> Callable[[dict], list]:
+    """What any Python tensor subclass pays on one rank's ``step`` (a floor to know, not a goal: the
+    steps' goals are against DDP and Megatron, which run no Python per op)."""
     def rows(res) -> list:
         t = res["times"]
-        return [[f"DP GPT step (n_embd {embd}) of one rank (1 proc): {k} vs {peer}", f"{H.fmt(t[k])} ms",
+        return [[f"{step} (n_embd {embd}) of one rank (1 proc): {k} vs {peer}", f"{H.fmt(t[k])} ms",
                  f"{peer} {H.fmt(t[peer])} ms", f"{H.paired_ratio(t[k], t[peer]):.3f}x", "floor, no goal", "-"]
-                for k, peer in (("thin", "plain"), ("gt", "plain"), ("gt", "thin"))]
+                for k, peer in (("thin", "plain"), ("gt", "plain"), ("gt", "thin")) if k in t]
     return rows
 
 
@@ -160,11 +164,13 @@ MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step (n_embd 256), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
     Measure("dp512", step_row("DP GPT step (n_embd 512), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
-    Measure("floor", floor_rows(actor_runtime.GPT_EMBD)),
-    Measure("floor512", floor_rows(actor_runtime.GPT_EMBD_LARGE)),
+    Measure("floor", floor_rows("DP GPT step", actor_runtime.GPT_EMBD)),
+    Measure("floor512", floor_rows("DP GPT step", actor_runtime.GPT_EMBD_LARGE)),
     Measure("hybrid", step_row("2x2 hybrid GPT step (n_embd 256), eager (4 procs)", "gt", "hand", "DDP+Megatron", 1.1)),
     Measure("hybrid512", step_row("2x2 hybrid GPT step (n_embd 512), eager (4 procs)", "gt", "hand", "DDP+Megatron",
                                   1.1)),
+    Measure("hfloor", floor_rows("2x2 hybrid GPT step", actor_runtime.GPT_EMBD)),
+    Measure("hfloor512", floor_rows("2x2 hybrid GPT step", actor_runtime.GPT_EMBD_LARGE)),
     Measure("boxing2", boxing_rows),
     Measure("boxing4", boxing_rows),
     Measure("tp", step_row("TP MLP step, eager (2 procs)", "gt", "hand", "hand-written", 1.05)),

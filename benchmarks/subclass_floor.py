@@ -10,6 +10,10 @@ over one rank, the batch split over it). Every op of the step crosses from C++ i
 the two subclasses; DDP runs none of that. The ratio thin / plain is what any Python subclass
 pays on this step, before distributing anything: a data-parallel step against DDP cannot go below
 it. Rounds interleaved, ratios paired per round (see _harness.py).
+
+``--hybrid``: the same for one rank of hybrid_gpt.py's 2x2 step -- its hand-written Megatron shards
+(tensor rank 0 of 2) on half the batch, Megatron's f / g as identities (no communication) -- plain
+against thin: the floor under the hybrid step's goal.
 """
 from __future__ import annotations
 
@@ -54,6 +58,51 @@ def _thin_training_class():
     return Thin
 
 
+def _thin_parameters(model, Thin):
+    """``model`` with every parameter a ``Thin`` one."""
+    import torch
+
+    for name, p in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(Thin(p.detach().clone(), requires_grad=True)))
+    return model
+
+
+def _settings(quick: bool) -> dict:
+    return dict(warmup=1, repeats=3, inner=1) if quick else dict(warmup=2, repeats=11, inner=1)
+
+
+def _worker_hybrid(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
+    """One rank's compute of the 2x2 hybrid step (see the module docstring): plain / thin."""
+    import torch
+
+    from hybrid_gpt import megatron_shards
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt import GPT, GPTConfig, make_batch
+
+    Thin = _thin_training_class()
+    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    idx, tgt = make_batch(cfg, GPT_BATCH // 2, GPT_SEQ, torch.Generator().manual_seed(1))
+
+    def identity(x):
+        return x
+
+    plain = megatron_shards(base, 0, 2, identity, identity)
+    thin = _thin_parameters(megatron_shards(base, 0, 2, identity, identity), Thin)
+
+    def stepper(model, i, t):
+        opt = torch.optim.SGD(model.parameters(), lr=GPT_LR)
+        return lambda: H.logits_step(model, opt, i, t)
+
+    steps = {"plain": stepper(plain, idx, tgt), "thin": stepper(thin, Thin(idx), Thin(tgt))}
+    losses = [float(steps["plain"]().detach()), float(steps["thin"]().detach()._piece)]
+    if abs(losses[0] - losses[1]) > 1e-4 * abs(losses[0]):
+        raise AssertionError(f"subclass floor (hybrid): plain and thin disagree: {losses}")
+    return dict(times=H.timed_many(steps, sync=False, **_settings(quick)))
+
+
 def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
     import copy
 
@@ -73,10 +122,7 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=GPT_LR)
         return lambda: H.sgd_step(model, opt, i, t)
 
-    plain, thin, glob = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    for name, p in list(thin.named_parameters()):
-        owner, _, leaf = name.rpartition(".")
-        setattr(thin.get_submodule(owner), leaf, torch.nn.Parameter(Thin(p.detach().clone(), requires_grad=True)))
+    plain, thin, glob = copy.deepcopy(base), _thin_parameters(copy.deepcopy(base), Thin), copy.deepcopy(base)
     p1 = gt.placement("cpu", [0])
     gt.nn.distribute_module(glob, p1)
     S = gt.sbp.split
@@ -86,22 +132,23 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
     losses = {k: read[k](s().detach()) for k, s in steps.items()}
     if max(losses.values()) - min(losses.values()) > 1e-4 * abs(losses["plain"]):
         raise AssertionError(f"subclass floor: the three steps disagree: {losses}")
-    settings = dict(warmup=1, repeats=3, inner=1) if quick else dict(warmup=2, repeats=11, inner=1)
-    return dict(times=H.timed_many(steps, sync=False, **settings))
+    return dict(times=H.timed_many(steps, sync=False, **_settings(quick)))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     ap.add_argument("--embd", type=int, default=GPT_EMBD, help="the GPT's width (default %(default)s)")
+    ap.add_argument("--hybrid", action="store_true", help="one rank of the 2x2 hybrid step instead (plain / thin)")
     args = ap.parse_args(argv)
     print(H.header("subclass_floor"))
-    print(f"n_embd {args.embd}")
+    print(f"n_embd {args.embd}" + (", one rank of the 2x2 hybrid step" if args.hybrid else ""))
     t0 = time.time()
-    t = H.spawn(_worker, 1, args.quick, args.embd)["times"]
+    t = H.spawn(_worker_hybrid if args.hybrid else _worker, 1, args.quick, args.embd)["times"]
     print(H.table(["step", "ms", "min ms", "/ plain (paired)"],
                   [[k, H.fmt(t[k]), H.fmt(t[k].min), f"{H.paired_ratio(t[k], t['plain']):.3f}x"] for k in t]))
-    print(f"gt / thin (paired): {H.paired_ratio(t['gt'], t['thin']):.3f}x")
+    if "gt" in t:
+        print(f"gt / thin (paired): {H.paired_ratio(t['gt'], t['thin']):.3f}x")
     print(f"\n(total {time.time() - t0:.0f} s; load average at the end {H.load_average()})")
     return 0
 
