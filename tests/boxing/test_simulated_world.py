@@ -61,6 +61,18 @@ def test_reduce_scatter_and_all_reduce():
         assert torch.equal(pieces[r], ones(7, 3, v=r + 1))
 
 
+def test_all_reduce_in_place_writes_the_sums_into_the_pieces():
+    """As a process world's backend does (a gradient bucket's flat buffer): the pieces given hold
+    the sum afterwards and are what comes back, counted as an all-reduce."""
+    w = SimulatedWorld(3)
+    group = (1, 2, 0)
+    pieces = {r: ones(5, v=r + 1) for r in group}
+    with gt.comm_stats() as st:
+        out = w.all_reduce_in_place(group, pieces)
+    assert st.ops() == ["all_reduce"]
+    assert all(out[r] is pieces[r] and torch.equal(pieces[r], ones(5, v=6)) for r in group)
+
+
 def test_all_to_all_broadcast_send_recv():
     w = SimulatedWorld(3)
     group = (0, 1, 2)
