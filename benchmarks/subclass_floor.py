@@ -68,6 +68,20 @@ def _thin_parameters(model, Thin):
     return model
 
 
+def _gpt_and_half_batch(embd: int) -> tuple:
+    """actor_runtime.py's GPT at width ``embd`` (seeded), and one data-parallel rank's batch."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt import GPT, GPTConfig, make_batch
+
+    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    idx, tgt = make_batch(cfg, GPT_BATCH // 2, GPT_SEQ, torch.Generator().manual_seed(1))
+    return base, idx, tgt
+
+
 def _settings(quick: bool) -> dict:
     return dict(warmup=1, repeats=3, inner=1) if quick else dict(warmup=2, repeats=11, inner=1)
 
@@ -77,14 +91,9 @@ def _worker_hybrid(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> 
     import torch
 
     from hybrid_gpt import megatron_shards
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from gpt import GPT, GPTConfig, make_batch
 
     Thin = _thin_training_class()
-    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    idx, tgt = make_batch(cfg, GPT_BATCH // 2, GPT_SEQ, torch.Generator().manual_seed(1))
+    base, idx, tgt = _gpt_and_half_batch(embd)
 
     def identity(x):
         return x
@@ -109,14 +118,9 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
     import torch
 
     import globaltensor as gt
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from gpt import GPT, GPTConfig, make_batch
 
     Thin = _thin_training_class()
-    cfg = GPTConfig(vocab_size=GPT_VOCAB, block_size=GPT_SEQ, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd)
-    torch.manual_seed(0)
-    base = GPT(cfg)
-    idx, tgt = make_batch(cfg, GPT_BATCH // 2, GPT_SEQ, torch.Generator().manual_seed(1))
+    base, idx, tgt = _gpt_and_half_batch(embd)
 
     def stepper(model, i, t):
         opt = torch.optim.SGD(model.parameters(), lr=GPT_LR)

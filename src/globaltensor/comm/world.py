@@ -140,10 +140,10 @@ class World(ABC):
         return _run("all_reduce", self, (group, pieces), lambda: self._all_reduce(group, pieces))
 
     def all_reduce_in_place(self, group: tuple, pieces: Pieces) -> Pieces:
-        """``all_reduce`` that may write the sums into the pieces given (process worlds do; a
-        simulated world returns new tensors): give contiguous tensors nothing else reads, such as
-        a gradient bucket's flat buffer. It spares the copy ``all_reduce`` makes to leave its
-        input as it was."""
+        """``all_reduce`` that writes the sums into the pieces given and returns them (both worlds
+        do; a world without its own version returns new tensors): give contiguous tensors nothing
+        else reads, such as a gradient bucket's flat buffer. It spares the copy ``all_reduce``
+        makes to leave its input as it was."""
         t = next(iter(pieces.values()))
         stats.record("all_reduce", group, all_reduce_bytes(group, t.numel(), t.element_size()))
         return _run("all_reduce_in_place", self, (group, pieces), lambda: self._all_reduce_in_place(group, pieces))
