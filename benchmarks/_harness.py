@@ -184,11 +184,7 @@ def inner_for(fns: dict, round_s: float) -> int:
 def sgd_step(model, opt, *batch):
     """One training step of a model with a ``loss(*batch)`` method (examples/gpt.py): forward,
     ``zero_grad``, backward, the optimizer's step; the loss."""
-    loss = model.loss(*batch)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
+    return _update(opt, model.loss(*batch))
 
 
 def logits_step(model, opt, idx, targets):
@@ -196,7 +192,11 @@ def logits_step(model, opt, idx, targets):
     cross entropy over the flattened tokens, ``zero_grad``, backward, the optimizer's step."""
     import torch.nn.functional as F
     logits = model(idx)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return _update(opt, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+
+
+def _update(opt, loss):
+    """``zero_grad``, ``loss``'s backward, the optimizer's step; ``loss``."""
     opt.zero_grad()
     loss.backward()
     opt.step()
