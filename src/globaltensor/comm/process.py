@@ -312,7 +312,8 @@ class ProcessWorld(World):
           back (row blocks again), else in a scratch buffer, each then copied once to its place;
         - this rank's own block stays out of the exchange (one copy, straight from the piece to its
           place, instead of gloo's copy to itself) unless that costs more copies: leaving a middle
-          block out breaks a run of blocks to send or of places to receive into.
+          block out breaks a run of blocks to send or of places to receive into. That copy runs
+          while the exchange is in flight (the collective started asynchronously, then waited for).
         """
         me = self.rank
         i_me = group.index(me)
@@ -328,23 +329,23 @@ class ProcessWorld(World):
         if own_out:
             send[i_me], received[i_me] = mine[i_me].new_empty(0), (0,)
         recv = direct if direct is not None else _scratch.take(sum(numel(r) for r in received), dtype, device)
-        got = self._exchange(group, send, received, dtype, recv)
+        own = (lambda: dest[i_me].copy_(mine[i_me])) if own_out and mine[i_me].numel() else None
+        got = self._exchange(group, send, received, dtype, recv, meanwhile=own)
         if direct is None:
             for place, part in zip(dest, got):
                 if place is not None and part.numel():
                     place.copy_(part)
             _scratch.give(recv)
-        if own_out and mine[i_me].numel():
-            dest[i_me].copy_(mine[i_me])
         return {me: out}
 
-    def _exchange(self, group, mine, received, dtype, recv) -> list:
+    def _exchange(self, group, mine, received, dtype, recv, meanwhile=None) -> list:
         """Send ``mine[j]`` to member j and receive, into the flat ``recv``, a tensor of
         ``received[j]`` from each member j; returns those, as views of ``recv``, in group order.
 
         One flat buffer each way, in group-rank order: gloo's list all_to_all needs every
         tensor to have the same shape, its all_to_all_single takes uneven split sizes. Chunks
-        that need packing are packed into a scratch send buffer (see _pack).
+        that need packing are packed into a scratch send buffer (see _pack). ``meanwhile``
+        (local work that touches no buffer of the exchange) runs while the exchange is in flight.
         """
         pg, order = self._pg(group)
         by_group_rank = sorted(range(len(group)), key=order.__getitem__)
@@ -352,8 +353,14 @@ class ProcessWorld(World):
         send, scratch = _pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, recv.device)
         recv_sizes = [numel(received[j]) for j in by_group_rank]
         flat = recv[:sum(recv_sizes)]
-        self._run("all_to_all", group,
-                  lambda: dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg))
+
+        def exchange():
+            if meanwhile is None:
+                return dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg)
+            work = dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg, async_op=True)
+            meanwhile()
+            work.wait()
+        self._run("all_to_all", group, exchange)
         if scratch is not None:
             _scratch.give(scratch)
         parts = dict(zip(by_group_rank, torch.split(flat, recv_sizes)))
