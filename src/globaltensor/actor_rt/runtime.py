@@ -37,6 +37,7 @@ from ..comm import get_world
 from .capture import storage_key
 from .graph import Ref, StorageRef
 from .lower import Program, TaskSpec
+from .recycle import recycled
 
 
 class GraphError(RuntimeError):
@@ -161,7 +162,7 @@ class _StreamCode:
             ns[f"SPEC{tid}"], ns[f"COLL{tid}"] = tree, getattr(self.rt.world, n.target)
             return f"tuple(_flat(COLL{tid}(*_unflat([{', '.join(one(x) for x in leaves)}], SPEC{tid})))[0])"
         args, kwargs = n.args
-        ns[f"OP{tid}"] = n.target._op
+        ns[f"OP{tid}"] = recycled(n.target, t.k) or n.target._op
         call = ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
         if n.out_slots is None:
             return f"(OP{tid}({call}),)"
