@@ -53,7 +53,7 @@ class Placement:
     ``hierarchy``. Two placements are equal when type and ranks are.
     """
 
-    __slots__ = ("_type", "_ranks", "_key", "_rank_coords")
+    __slots__ = ("_type", "_ranks", "_key", "_hash", "_rank_coords")
 
     def __init__(self, type: str = "cpu", ranks: Sequence = None):
         if not isinstance(type, str):
@@ -79,6 +79,7 @@ class Placement:
         self._type = type
         self._ranks = arr
         self._key = (type, arr.shape, tuple(flat))
+        self._hash = hash(self._key)        # hashed on every bucket hook and layout interning
         self._rank_coords = {r: tuple(int(i) for i in idx) for idx, r in np.ndenumerate(arr)}
 
     @classmethod
@@ -136,7 +137,7 @@ class Placement:
         return isinstance(other, Placement) and self._key == other._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self) -> str:
         return f"placement(type={self._type!r}, ranks={self._ranks.tolist()})"

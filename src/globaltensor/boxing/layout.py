@@ -22,6 +22,8 @@ class Layout:
         object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.placement, self.nd_sbp)))
         object.__setattr__(self, "_shapes", {})     # rank -> piece shape: ops ask per call (views)
         object.__setattr__(self, "_boxes", {})
+        # read on every gradient access and bucket hook: a plain attribute, not a generator per read
+        object.__setattr__(self, "has_partial", any(v.is_partial for v in self.nd_sbp))
 
     def __hash__(self) -> int:
         return self._hash
@@ -84,10 +86,6 @@ class Layout:
 
     def piece_bytes(self, rank: int) -> int:
         return numel(self.piece_shape(rank)) * self.itemsize
-
-    @property
-    def has_partial(self) -> bool:
-        return any(v.is_partial for v in self.nd_sbp)
 
 
 @lru_cache(maxsize=4096)
