@@ -101,3 +101,31 @@ def test_an_unreadable_store_is_said_not_raised():
         assert "the ranks' arrivals could not be read (ConnectionError: connection refused" in text, text
     finally:
         board.stop()
+
+
+class SlowStore(DictStore):
+    """A store whose writes take a while, as a round trip to a loaded peer's store does."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.inside = seconds, 0
+
+    def set(self, key, value):
+        self.inside += 1
+        time.sleep(self.seconds)
+        super().set(key, value)
+        self.inside -= 1
+
+
+def test_stop_returns_once_the_publisher_is_out_of_its_store_call():
+    """A daemon thread still inside a store call (C++ in a real job) when the interpreter finalizes
+    aborts the process; stop() at exit waits for the call to end and the thread to leave."""
+    store = SlowStore(0.3)
+    board = ArrivalBoard(store, 0)
+    board.enter("all_reduce", (0, 1))                     # a change: the publisher writes it
+    deadline = time.monotonic() + 10
+    while store.inside == 0:
+        assert time.monotonic() < deadline, "the publisher never wrote"
+        time.sleep(0.005)
+    board.stop()
+    assert store.inside == 0 and not board._thread.is_alive()

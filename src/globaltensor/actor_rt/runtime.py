@@ -40,6 +40,10 @@ from .lower import Program, TaskSpec
 from .recycle import recycled
 
 
+# how long a failed graph waits for its stream threads to leave the op or collective they are in
+STOP_WAIT_S = 5.0
+
+
 class GraphError(RuntimeError):
     """An op raised inside a compiled graph."""
 
@@ -536,8 +540,17 @@ class Runtime:
         return True
 
     def _raise(self):
+        """Stop the stream threads and re-raise the failure. The threads are waited for (a bounded
+        time) so that none is still inside an op or a collective -- C++ frames -- if the error ends
+        the program: a daemon thread returning from one while the interpreter finalizes aborts the
+        process ("terminate called without an active exception"). A thread left waiting on its
+        condition or its queue is only Python and may stay."""
         e, t = self.failed
+        threads = [s.thread for s in self.streams.values() if s.thread is not None]
         self.close()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         raise GraphError(_failure_text(e, t)) from e
 
 

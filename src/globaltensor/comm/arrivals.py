@@ -20,6 +20,8 @@ from typing import Dict, List, Optional, Tuple
 # is diagnosed seconds after it stopped, so 100 ms of staleness costs nothing there
 PERIOD_S = 0.1
 PREFIX = "globaltensor/arrivals/"
+# how long stop() waits for a publish in progress (a store round trip; a dead store fails at once)
+STOP_WAIT_S = 5.0
 
 
 def _ranks(key) -> str:
@@ -74,7 +76,12 @@ class ArrivalBoard:
                     return
 
     def stop(self) -> None:
+        """Stop publishing, and wait until the publisher has left any store call: a daemon thread
+        still inside one when the interpreter finalizes is ended by the unwinding of its C++ frames,
+        which aborts the process ("terminate called without an active exception", SIGABRT)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(STOP_WAIT_S)
 
     def report_failure(self, text: str) -> None:
         """Tell the peers, now, that this rank failed (they may be waiting for it in a collective)."""
