@@ -355,11 +355,11 @@ class ProcessWorld(World):
         flat = recv[:sum(recv_sizes)]
 
         def exchange():
-            if meanwhile is None:
-                return dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg)
-            work = dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg, async_op=True)
-            meanwhile()
-            work.wait()
+            work = dist.all_to_all_single(flat, send, recv_sizes, send_sizes, group=pg,
+                                          async_op=meanwhile is not None)
+            if meanwhile is not None:
+                meanwhile()
+                work.wait()
         self._run("all_to_all", group, exchange)
         if scratch is not None:
             _scratch.give(scratch)
