@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ if EXAMPLES not in sys.path:
     sys.path.insert(0, EXAMPLES)
 
 import globaltensor as gt  # noqa: E402
-from demo import EPS, LR, TOLERANCE, default_dtype, error  # noqa: E402
+from demo import EPS, LR, TOLERANCE, default_dtype, error  # noqa: E402, F401  (LR, EPS: for the how-tos)
 from gpt import GPT, GPTConfig, make_batch  # noqa: E402
 
 RANKS = 4
@@ -86,6 +86,19 @@ def describe(model: torch.nn.Module, names: List[str]) -> None:
         log(f"  {name:28s} shape {str(tuple(p.shape)):10s} sbp {p.sbp} on {p.placement.ranks.tolist()}")
 
 
+def _adamw_step(reference: torch.nn.Module) -> Callable:
+    """The reference's step of every how-to that trains with plain AdamW."""
+    opt = adamw(reference.parameters())
+
+    def step(idx, targets):
+        loss = reference.loss(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 @dataclass
 class Result:
     losses: List[float] = field(default_factory=list)
@@ -101,10 +114,13 @@ class Result:
         return self.loss_error <= TOLERANCE and self.parameter_error <= TOLERANCE
 
 
-def train(model: torch.nn.Module, reference: torch.nn.Module, step: Callable, to_global: Callable, args) -> Result:
+def train(model: torch.nn.Module, reference: torch.nn.Module, step: Callable, to_global: Callable, args,
+          reference_step: Optional[Callable] = None) -> Result:
     """``args.steps`` steps of ``step(*to_global(idx, targets))`` beside the reference's single-device
-    AdamW step on the same batches, in ``args.dtype``; prints a line per step and the differences."""
-    ref_opt = adamw(reference.parameters())
+    step on the same batches (``reference_step(idx, targets) -> loss``; by default AdamW's), in
+    ``args.dtype``; prints a line per step and the differences."""
+    if reference_step is None:
+        reference_step = _adamw_step(reference)
     data = torch.Generator().manual_seed(1234)                 # the same batches on every rank
     result = Result()
     log(f"\n{'step':>9} {'loss':>9} {'1 device':>9} {'bytes sent':>11} {'collectives':>11} {'time':>8}")
@@ -115,10 +131,7 @@ def train(model: torch.nn.Module, reference: torch.nn.Module, step: Callable, to
             with gt.comm_stats() as stats:
                 loss = step(*to_global(idx, targets))
             elapsed = time.perf_counter() - start
-            ref_loss = reference.loss(idx, targets)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            ref_loss = reference_step(idx, targets)
             result.losses.append(loss.item())                  # a collective: every rank calls it
             result.reference_losses.append(ref_loss.item())
             result.bytes_sent.append(stats.bytes_sent)

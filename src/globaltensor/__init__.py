@@ -15,6 +15,7 @@ from .placement import Placement, placement
 from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
 from .ops import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
 from .ops import rules as _rules  # noqa: F401  (registers the SBP rules)
+from .ops.list_ops import install_foreach_support
 from .ops.registry import register_rule
 from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from .inspect import boxing_plan
@@ -24,6 +25,7 @@ from .actor_rt import CaptureError, CompileError, CompiledFunction, GraphError, 
 from .interop import from_dtensor, install_to_dtensor, to_dtensor
 
 install_tensor_methods()
+install_foreach_support()
 install_to_dtensor()
 
 __version__ = "0.1.0"

@@ -19,7 +19,8 @@ for _path in (HOWTO, HOWTO.parent):                # the how-tos; demo.py and gp
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-SCRIPTS = ["data_parallel", "tensor_parallel", "hybrid_2d", "zero_optimizer", "fsdp", "loss_parallel", "pipeline"]
+SCRIPTS = ["data_parallel", "tensor_parallel", "hybrid_2d", "zero_optimizer", "fsdp", "loss_parallel", "pipeline",
+           "mixed_precision"]
 PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\s+[\d.]+\s+[\d.]+\s+[\d,]+\s+\d+\s+\d+ms$")
 
 

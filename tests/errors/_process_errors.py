@@ -58,6 +58,10 @@ reordered = DTensorSpec(DeviceMesh("cpu", [[0, 1]]), (Shard(0), Shard(0)),
 expect("from-dtensor-shard-order",
        lambda: gt.from_dtensor(DTensor(torch.ones(2, 3), reordered, requires_grad=False)))
 
+# a cuda placement on a node with fewer GPUs than processes (none at all without CUDA)
+if me >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+    expect("process-cuda-devices", lambda: gt.zeros(4, placement=gt.placement("cuda", [0, 1]), sbp=S(0)))
+
 gt.set_timeout(3)
 if me == 0:
     expect("collective-did-not-arrive", lambda: x.numpy())    # rank 1 never calls it

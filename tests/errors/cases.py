@@ -33,24 +33,38 @@ def x84():
     return gt.randn(8, 4, placement=p4(), sbp=S(0))
 
 
-_CASES_LIB = []
+def _fused_step(params):
+    for t in params:
+        t.grad = torch.ones_like(t)
+    torch.optim.AdamW(params, lr=0.1, fused=True).step()
 
 
-def _accumulating_op():
-    """A user's op that adds its input's column sums into ``total`` besides returning them, with a
-    rule keeping ``total`` broadcast only: a partial ``total`` has no signature that keeps it."""
-    if not _CASES_LIB:
-        lib = torch.library.Library("gt_error_cases", "FRAGMENT")
-        lib.define("accumulate(Tensor x, Tensor(a!) total) -> Tensor")
+@contextlib.contextmanager
+def _unlisted(op_name: str):
+    """``op_name`` taken off the list of ops whose unreturned writes are kept: a newer torch's op."""
+    from globaltensor.ops import dispatch, written_args
+    listed = written_args.HANDLED.pop(op_name)
+    dispatch._CACHE.clear()
+    try:
+        yield
+    finally:
+        written_args.HANDLED[op_name] = listed
+        dispatch._CACHE.clear()
 
-        def accumulate(x, total):
-            total.add_(x.sum(0))
-            return x.sum(0)
-        lib.impl("accumulate", accumulate, "CPU")
-        lib.impl("accumulate", lambda x, total: x.sum(0), "Meta")
-        _CASES_LIB.append(lib)
-        gt.register_rule(torch.ops.gt_error_cases.accumulate.default, ["S(0), B -> P"])
-    return torch.ops.gt_error_cases.accumulate.default
+
+def _unlisted_fused_step():
+    with _unlisted("aten._fused_adamw_.default"):
+        _fused_step([gt.distribute(torch.zeros(8, 4), p4(), S(0)).requires_grad_()])
+
+
+def _flash_attention_with_dropout():
+    """The CUDA kernel's rule decides on meta pieces, as on a GPU."""
+    from globaltensor.boxing import Layout
+    from globaltensor.tensor import GlobalTensor
+    layout = Layout((4, 4, 16, 32), torch.float16, p4(), (S(0),))
+    q = GlobalTensor(layout, {r: torch.empty(layout.piece_shape(r), dtype=torch.float16, device="meta")
+                              for r in range(4)})
+    torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.1, False)
 
 
 def _assign_split_dim():
@@ -207,13 +221,16 @@ CASES = {
     # ops
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
+    "op-writes-unlisted": _unlisted_fused_step,
+    "cuda-attention-dropout": _flash_attention_with_dropout,
+    "list-op-plain-element": lambda: _fused_step([gt.distribute(torch.zeros(8, 4), p4(), S(0)).requires_grad_(),
+                                                  torch.zeros(3, requires_grad=True)]),
     "torch-op-error": lambda: x84() @ x84(),
     "cast-device": lambda: x84().to("lazy"),        # "cuda" with CUDA; torch refuses it above the dispatcher without
     "cast-meta": lambda: x84() + torch._efficientzerotensor(8, 4),
     "op-sparse-input": lambda: torch.sparse.mm(torch.eye(8).to_sparse(), x84()),
     "op-sparse-result": lambda: x84().to_sparse(),
     "resize-elements": lambda: x84().resize_(100),
-    "op-writes-layout-unkept": lambda: _accumulating_op()(x84(), gt.distribute(torch.zeros(4), p4(), P)),
     # factories and random numbers
     "factory-size": lambda: gt.zeros(-1, 4, placement=p4(), sbp=B),
     "factory-placement": lambda: gt.ones(4, placement="cpu", sbp=B),

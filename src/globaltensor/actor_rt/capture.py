@@ -27,10 +27,11 @@ from ..comm import get_world
 from ..comm import stats
 from ..comm.world import observe_collectives
 from ..ops import rng
+from ..ops.op_record import record
 from ..tensor import GlobalTensor, observe_creation, reading_meta
+from ..torch_ops import aten
 from .graph import Captured, Node, Output, Ref, StorageRef, Value
 
-aten = torch.ops.aten
 _HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default, aten.item.default}
 _raw_grad = torch._C.TensorBase.grad
 _IN_PLACE = {"all_reduce_in_place"}      # collectives that may write their inputs (comm.world)
@@ -104,15 +105,6 @@ def storage_key(t: torch.Tensor) -> Optional[tuple]:
     if s.nbytes() == 0:
         return None
     return (t.device.type, t.device.index, s.data_ptr())
-
-
-def _written(func, args, kwargs) -> list:
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, torch.Tensor))
-    return out
 
 
 class Tracer(TorchDispatchMode):
@@ -254,7 +246,7 @@ class Tracer(TorchDispatchMode):
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         if any(t.is_meta for t in tensors) or str(kwargs.get("device")) == "meta":
             return func(*args, **kwargs)
-        written = _written(func, args, kwargs)
+        written = record(func).written_tensors(args, kwargs)
         inputs = [self._vid(t) for t in tensors]
         storages = {}
         for x in flat:

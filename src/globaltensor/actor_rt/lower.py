@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch.utils._pytree import tree_unflatten
 
+from ..ops.op_record import record
 from .graph import Captured, Node
 
 
@@ -382,8 +383,7 @@ def _is_view(node) -> bool:
     """Whether ``node`` is an op whose results are views of its inputs (no data is computed)."""
     if node is None or node.kind == "collective" or not hasattr(node.target, "_schema"):
         return False
-    returns = node.target._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return record(node.target).is_view
 
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-aten = torch.ops.aten
+from ..torch_ops import aten
+
 EMPTY_LIKE_OPS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
                             aten.new_empty_strided.default})
 _storage_uses = torch._C._storage_Use_Count

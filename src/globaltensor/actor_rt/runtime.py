@@ -25,9 +25,11 @@ rank fails, and that error names this rank's task and op. The graph is broken af
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from typing import Dict, List
 
 import torch
@@ -335,12 +337,22 @@ class Runtime:
             if s.thread is None and s is not self.inline:
                 s.thread = threading.Thread(target=self._loop, args=(s,), name=f"gt-actor-{s.name}", daemon=True)
                 s.thread.start()
+                _stop_at_exit(self)
 
     def close(self) -> None:
         for s in self.streams.values():
             if s.thread is not None:
                 s.jobs.put(None)
                 s.thread = None
+
+    def stop(self) -> None:
+        """Close the stream threads and wait for them (a bounded time): after this no thread of the
+        runtime is inside an op, a collective or a CUDA call."""
+        threads = [s.thread for s in self.streams.values() if s.thread is not None]
+        self.close()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _loop(self, stream: Stream) -> None:
         if stream.device is not None:
@@ -546,12 +558,35 @@ class Runtime:
         process ("terminate called without an active exception"). A thread left waiting on its
         condition or its queue is only Python and may stay."""
         e, t = self.failed
-        threads = [s.thread for s in self.streams.values() if s.thread is not None]
-        self.close()
-        deadline = time.monotonic() + STOP_WAIT_S
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self.stop()
         raise GraphError(_failure_text(e, t)) from e
+
+
+_RUNNING: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+_hooked = False
+
+
+def _stop_at_exit(runtime: Runtime) -> None:
+    """Stop ``runtime``'s threads when the program ends, before the process world destroys its groups.
+
+    A stream thread of a CUDA graph holds its CUDA stream and may hold NCCL work; left running (a
+    daemon thread) while the interpreter finalizes and the process groups are destroyed, it aborts
+    the process ("terminate called without an active exception"). atexit runs the last registered
+    hook first, and the first runtime starts after its world exists, so this runs before the
+    world's shutdown: every thread is joined and the device synchronized."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        atexit.register(_stop_all)
+    _RUNNING.add(runtime)
+
+
+def _stop_all() -> None:
+    for runtime in list(_RUNNING):
+        runtime.stop()
+    _RUNNING.clear()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _failure_text(e: BaseException, t) -> str:

@@ -75,6 +75,9 @@ def _arrival_board(rank: int):
         return None
 
 
+_CPU = torch.device("cpu")
+
+
 class ProcessWorld(World):
     simulated = False
 
@@ -91,6 +94,7 @@ class ProcessWorld(World):
         self.local_ranks = (self.rank,)
         self._local_set = frozenset(self.local_ranks)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._cuda = None
         self._groups = {}
         self._failed = False
         self._board = _arrival_board(self.rank)
@@ -98,7 +102,26 @@ class ProcessWorld(World):
         atexit.register(self._shutdown, created)
 
     def device(self, device_type: str, rank: int) -> torch.device:
-        return torch.device("cpu") if device_type == "cpu" else torch.device("cuda", self.local_rank)
+        if device_type == "cpu":
+            return _CPU
+        if self._cuda is None:
+            self._cuda = self._own_gpu()
+        return self._cuda
+
+    def _own_gpu(self) -> torch.device:
+        """``cuda:<local rank>``: one GPU per local rank, as torchrun lays processes out; checked once,
+        before the first CUDA tensor, so a node with more processes than GPUs fails with a clear
+        error on the ranks that have none, not with torch's "invalid device ordinal" mid-collective."""
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.local_rank >= visible:
+            ways = (f"launch at most {visible} process(es) per node (--nproc-per-node {visible}), make every GPU "
+                    f"visible to every process, or use a cpu placement" if visible else
+                    "use a cpu placement, or run on nodes with GPUs")
+            raise RuntimeError(
+                f"globaltensor: rank {self.rank} (local rank {self.local_rank}) needs its own GPU for a cuda "
+                f"placement, but this node shows {visible} GPU(s) (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); {ways}")
+        return torch.device("cuda", self.local_rank)
 
     def _shutdown(self, destroy: bool) -> None:
         """At exit: drop the cached groups and destroy the process groups this world created.

@@ -7,6 +7,7 @@ import torch
 from ..comm import get_world
 from ..comm.consistency import View, confirm, describe_global, describe_plain, describe_value
 from ..tensor import GlobalTensor
+from .op_record import record
 
 _SCALARS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -27,11 +28,10 @@ def confirm_op(func, args, kwargs) -> None:
     """Every rank is about to run ``func`` on the same layouts, plain tensors and scalars."""
     world = get_world()
     views = {r: View() for r in world.local_ranks}
-    schema = func._schema.arguments
-    names = [a.name for a in schema]
+    names = [a.name for a in func._schema.arguments]
     # an argument the op writes may be a buffer it only fills (bernoulli_ on empty_like): its values
     # are not compared here, the next op that reads it compares them
-    written = {a.name for a in schema if a.alias_info is not None and a.alias_info.is_write}
+    written = {a.name for a in record(func).written}
     for i, v in enumerate(args):
         name = names[i] if i < len(names) else str(i)
         _describe(views, f"argument {name}", v, name in written)

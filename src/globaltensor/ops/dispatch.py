@@ -21,6 +21,7 @@ gather-to-broadcast fallback.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from collections import Counter
 from typing import Callable, Optional
@@ -40,15 +41,16 @@ from .args import Substitution, get, tensor_positions
 from .boxed_copy import copy_layout
 from .consistency import confirm_op
 from .fallback import reject_other_layouts, run_fallback
-from .foreach import run_foreach
-from .inplace import returned_inputs, write_back, written_objects
+from .list_ops import ListRun, decide_list_op, list_kind
+from .inplace import has_functional, returned_inputs, write_back, written_objects
 from .inplace_view import is_inplace_view, run_inplace_view
 from .local_run import LocalRun
 from .out_meta import output_meta
 from .registry import find_rule, on_rules_changed
 from .scalar_read import SCALAR_READS, read_scalar
 from .signature_cost import contracting_axes, gradient_under, output_cost
-from .viewwrite import wrap as _views_and_writes
+from .viewwrite import WriteRun as _WriteRun, wrap as _views_and_writes
+from .written_args import check_writes_kept
 
 _CACHE: dict = {}
 _UNCACHEABLE = object()
@@ -116,6 +118,8 @@ def dispatch(cls, func, types, args=(), kwargs=None):
         return attribution.within_op(dispatch, cls, func, types, args, kwargs)
     if _check.enabled:
         confirm_op(func, args, kwargs)
+    if func in _LIST_FUNCS:
+        return _dispatch_list(func, args, kwargs or {})
     # the hit path is ``_key`` inlined for global tensors without a kept copy, one look-up
     key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
     for v in args:
@@ -132,6 +136,56 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     if decision is None:
         _intern_inputs(args, kwargs)            # equal layouts of other objects: the same key now
         key = _key(func, args, kwargs)
+        decision = _CACHE.get(key)
+        if decision is None:
+            decision = _decide(func, args, kwargs)
+            if isinstance(decision, ListRun):
+                _LIST_FUNCS.add(func)
+                key = _list_key(func, args, kwargs)
+            if _cacheable(key):
+                _CACHE[key] = decision
+    return decision(args, kwargs)
+
+
+_LIST_FUNCS: set = set()        # the list ops met so far: keyed without their numbers
+
+
+def _list_key(func, args, kwargs) -> tuple:
+    """The cache key of a list op: its tensors' layouts, its numbers by type only. Learning rates,
+    betas and the bias corrections in a ``ScalarList`` change every step, and a list op's decision
+    (its elements' signatures) does not depend on their values."""
+    key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
+    key.extend(map(_list_arg_key, args))
+    if kwargs:
+        key.append(_KEYWORDS)
+        key.extend((k, _list_arg_key(v)) for k, v in kwargs.items())
+    return tuple(key)
+
+
+def _list_arg_key(v):
+    t = type(v)
+    if t is float or t is int:
+        return t
+    if t is list or t is tuple:
+        if not _grad_enabled():
+            try:        # a list of global tensors, keyed in C: with grad off requires_grad decides nothing
+                return (t, tuple(map(id, map(_LAYOUT_OF, v))))
+            except AttributeError:
+                pass
+        return (t, tuple([(id(x._layout), x.requires_grad) if type(x) is GlobalTensor else _list_arg_key(x)
+                          for x in v]))
+    return _arg_key(v)
+
+
+_LAYOUT_OF = operator.attrgetter("_layout")
+
+
+def _dispatch_list(func, args, kwargs):
+    key = _list_key(func, args, kwargs)
+    decision = _CACHE.get(key)
+    if decision is None:
+        _intern_inputs(args, kwargs)
+        key = _list_key(func, args, kwargs)
         decision = _CACHE.get(key)
         if decision is None:
             decision = _decide(func, args, kwargs)
@@ -175,21 +229,32 @@ def _out_kind(meta_out) -> str:
         return "tensor"
     if meta_out is None:
         return "none"
-    if isinstance(meta_out, (tuple, list)) and all(isinstance(t, torch.Tensor) or t is None for t in meta_out):
-        return "tuple" if isinstance(meta_out, tuple) else "list"
+    if isinstance(meta_out, (tuple, list)) and all(isinstance(t, (torch.Tensor, int)) or t is None for t in meta_out):
+        return "tuple" if isinstance(meta_out, tuple) else "list"     # ints: flash attention's max_q / max_k
     return "other"
 
 
 def _decide(func, args, kwargs, only=None) -> Callable:
     """How to run ``func`` on these arguments. ``only`` (tests) restricts the choice to one
     nd-signature; None comes back when it is not admissible for these arguments."""
+    decision = _decision(func, args, kwargs, only)
+    if isinstance(decision, LocalRun):
+        return _views_and_writes(func, decision.fast(), decision.positions, decision.targets, decision.kept)
+    return decision
+
+
+def _decision(func, args, kwargs, only=None):
+    """A LocalRun where the op runs as itself (or its rule's kernel) on each rank's pieces, else
+    the callable that runs it (a list op, an in-place view, a decomposition, the fallback)."""
     if is_inplace_view(func):
         return lambda a, k: run_inplace_view(func, a, k)
     if func in SCALAR_READS:
         return read_scalar
+    check_writes_kept(func)
     rule = find_rule(func)
-    if rule is None and func.overloadpacket.__name__.startswith("_foreach_"):
-        return lambda a, k: run_foreach(func, a, k)
+    kind = list_kind(func) if rule is None else None
+    if kind is not None:
+        return decide_list_op(func, kind, args, kwargs, _decision)
     if rule is None:
         decomposed = decomposition_table.get(func) or _composite(func)
         if decomposed is not None:
@@ -209,7 +274,10 @@ def _decide(func, args, kwargs, only=None) -> Callable:
     if kind == "other":
         return _flat(lambda f, s: run_fallback(func, f, s))
     placement = _placement_of(func, tensors)
-    outs = [meta_out] if kind == "tensor" else [o for o in meta_out if o is not None] if kind != "none" else []
+    if rule.out_meta is not None:
+        meta_out = rule.out_meta(meta_out, placement.type, *meta_args, **meta_kwargs)
+    outs = [meta_out] if kind == "tensor" else [o for o in meta_out if isinstance(o, torch.Tensor)] \
+        if kind != "none" else []
     in_layouts = [t._layout if isinstance(t, GlobalTensor) else
                   Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim) for t in tensors]
     per_axis = [as_signature(c) for c in rule.candidates(*meta_args, **meta_kwargs)]
@@ -227,7 +295,9 @@ def _decide(func, args, kwargs, only=None) -> Callable:
                   if all(c.inputs[k] == in_layouts[k].nd_sbp for k in kept)
                   and all(c.outputs[j] == in_layouts[k].nd_sbp for j, k in returned.items() if j < len(c.outputs))]
     if kept and not candidates:
-        return _views_and_writes(func, lambda a, k: write_back(func, a, k), positions, [], kept)
+        if not has_functional(func):
+            return _flat(lambda f, s: run_fallback(func, f, s))
+        return _WriteRun(lambda a, k: write_back(func, a, k), [positions[k] for k in kept])
     out_meta = [(tuple(o.shape), o.dtype) for o in outs]
     candidates = [c for c in candidates if _blocks_fit(c, in_layouts, out_meta, placement)]
     if rule.check_shapes:
@@ -268,10 +338,8 @@ def _decide(func, args, kwargs, only=None) -> Callable:
         log_signature(func, in_layouts, chosen, candidates, cost)
     targets = [_intern(lay.with_sbp(nd)) for lay, nd in zip(in_layouts, chosen.inputs)]
     out_layouts = [_intern(Layout(shape, dtype, placement, nd)) for (shape, dtype), nd in zip(out_meta, chosen.outputs)]
-    run = LocalRun(func, positions, targets, kind, out_layouts, rule.local,
-                   returned, rule.kernel,
-                   [o is not None for o in meta_out] if kind in ("tuple", "list") else None)
-    return _views_and_writes(func, run.fast(), positions, targets, kept)
+    return LocalRun(func, positions, targets, kind, out_layouts, rule.local, returned, rule.kernel,
+                    [isinstance(o, torch.Tensor) for o in meta_out] if kind in ("tuple", "list") else None, kept)
 
 
 def _blocked_variants(rule, per_axis, in_layouts, meta_args, meta_kwargs) -> list:

@@ -1,7 +1,10 @@
 """The fallback for ops without a rule: gather every input to broadcast, run on each replica.
 
 Correct for any op (data-dependent output shapes included) at the price of the gathers;
-warns once per op so the missing rule is visible. ``taken`` counts the calls per op, so a
+warns once per op so the missing rule is visible. The op writes into the gathered copies, so
+every argument its schema marks written, returned or not, is written back: a global tensor
+boxed from the written copy into its own layout (a split one takes its slice, a partial one
+the value on its first rank and zeros elsewhere), a plain one from the first rank's copy. ``taken`` counts the calls per op, so a
 caller (the conformance suite) can tell whether a computation went through it.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ from ..boxing import Layout
 from ..comm import get_world
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, replicate
+from .op_record import record
 from .registry import find_rule
 from .viewwrite import fallback_view, propagate
 
@@ -68,28 +72,44 @@ def run_fallback(func, flat, spec):
     out_flat, out_spec = per_rank[ranks[0]]
     reject_other_layouts(func, out_flat, "as its result")
     _warn_once(func)       # after the op ran: an op invalid for its shapes raises torch's error, unwarned
+    args, kwargs = tree_unflatten(flat, spec)
+    _write_back(func, args, kwargs, flat, gathered, ranks[0])
     result = []
     for j, v in enumerate(out_flat):
         if isinstance(v, torch.Tensor):
             pieces = {r: per_rank[r][0][j] for r in ranks}
-            written = _write_into_input(func, flat, gathered, pieces)
+            written = _written_input(flat, gathered, pieces)
             result.append(written if written is not None else
                           GlobalTensor(Layout(tuple(v.shape), v.dtype, placement, b), pieces))
         else:
             result.append(v)
     out = tree_unflatten(result, out_spec)
-    fallback_view(func, *tree_unflatten(flat, spec), out)
+    fallback_view(func, args, kwargs, out)
     return out
 
 
-def _write_into_input(func, flat, gathered, pieces):
-    """An in-place op ran on gathered copies: write its result back into the original input."""
+def _write_back(func, args, kwargs, flat, gathered, first: int) -> None:
+    """Every argument the op wrote -- returned or not (a fused optimizer's ``grads``, ``found_inf``) --
+    gets the written copy back: a global tensor in its own layout, a plain one from the first rank."""
+    copy_of = {id(v): g for v, g in zip(flat, gathered) if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        for v in record(func).written_tensors(args, kwargs):
+            g = copy_of.get(id(v))
+            if g is None:
+                continue
+            if isinstance(v, GlobalTensor):
+                if any(g._pieces[r] is not v._pieces.get(r) for r in g._pieces):
+                    back = box(g, v._layout)
+                    for r, piece in v._pieces.items():
+                        piece.copy_(back._pieces[r])
+                propagate(v)
+            elif g._pieces[first] is not v:
+                v.copy_(g._pieces[first])
+
+
+def _written_input(flat, gathered, pieces):
+    """The caller's input whose gathered copy the op returned (an in-place op): already written back."""
     for orig, g in zip(flat, gathered):
         if isinstance(orig, GlobalTensor) and all(pieces[r] is g._pieces.get(r) for r in pieces):
-            if any(g._pieces[r] is not orig._pieces.get(r) for r in pieces):
-                result = box(GlobalTensor(g._layout, pieces), orig._layout)
-                for r, piece in orig._pieces.items():
-                    piece.copy_(result._pieces[r])
-            propagate(orig)
             return orig
     return None

@@ -1,8 +1,9 @@
-"""``_foreach_*`` ops (the optimizers' fast path) run as the per-tensor op on each list element.
+"""A ``_foreach_*`` op's per-tensor op and one element's call of it.
 
-Parameters of one optimizer may have different layouts, so each element gets its own
-signature; the per-tensor op is found by name (``_foreach_add_`` -> ``add_``) and overload
-resolution picks the variant matching the element's arguments.
+The per-tensor op is found by name (``_foreach_add_`` -> ``add_``) and its overload by torch's
+own resolution for the element's arguments (``add_.Tensor`` for a tensor list, ``add_.Scalar`` for
+a number). list_ops.py decides each element's layouts by the dispatcher's decision for that call,
+and runs an element on its own through it where no plain signature fits.
 """
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 
 
 @lru_cache(maxsize=None)
-def _per_tensor_op(func) -> tuple:
-    """The per-tensor op, its positional capacity and keyword-only names, whether it returns."""
-    op = getattr(torch.ops.aten, func.overloadpacket.__name__[len("_foreach_"):])
-    return (op, *_positional_capacity(op), bool(func._schema.returns))
+def _per_tensor_packet(func) -> tuple:
+    """The per-tensor op packet, its positional capacity and keyword-only names."""
+    packet = getattr(torch.ops.aten, func.overloadpacket.__name__[len("_foreach_"):])
+    return (packet, *_positional_capacity(packet))
 
 
 def _positional_capacity(op) -> tuple:
@@ -31,17 +32,16 @@ def _positional_capacity(op) -> tuple:
     return capacity, keywords
 
 
-def run_foreach(func, args, kwargs):
-    n = next(len(a) for a in args if isinstance(a, (list, tuple)))
-    op, capacity, keywords, returns = _per_tensor_op(func)
-    lists = [isinstance(a, (list, tuple)) for a in args]
-    results = []
-    for i in range(n):
-        element = [a[i] if is_list else a for a, is_list in zip(args, lists)]
-        if len(element) > capacity:
-            keyword = dict(kwargs)
-            keyword.update(zip(keywords, element[capacity:]))
-            results.append(op(*element[:capacity], **keyword))
-        else:
-            results.append(op(*element, **kwargs))
-    return results if returns else None
+def element_call(func, args, kwargs, i: int, n: int) -> tuple:
+    """``(per-tensor OpOverload, args, kwargs)`` of element ``i`` of a ``_foreach_*`` call."""
+    packet, capacity, keywords = _per_tensor_packet(func)
+    names = [a.name for a in func._schema.arguments]
+    element = [v[i] if isinstance(v, (list, tuple)) and len(v) == n else
+               (v[i].item() if names[k:k + 1] == ["scalars"] and isinstance(v, torch.Tensor) else v)
+               for k, v in enumerate(args)]
+    kw = dict(kwargs)
+    if len(element) > capacity:
+        kw.update(zip(keywords, element[capacity:]))
+        element = element[:capacity]
+    overload = torch._C._jit_resolve_packet(packet._qualified_op_name, *element, **kw)
+    return getattr(packet, overload), tuple(element), kw

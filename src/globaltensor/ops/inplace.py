@@ -2,7 +2,9 @@
 
 A candidate signature is admissible only if it leaves every written input's SBP as it is,
 so the op can run on the input's own pieces. When no candidate is, the functional op runs
-and its result is boxed into the written tensor's layout and copied into its pieces.
+and its result is boxed into the written tensor's layout and copied into its pieces; an op
+with no functional twin (a user's op updating an input besides its result) runs through the
+fallback, which writes every written argument back.
 
 In-place ops that change only metadata (``transpose_``, ``squeeze_``) are the exception: the
 tensor takes a new layout; inplace_view.py runs them.
@@ -12,16 +14,12 @@ from __future__ import annotations
 import torch
 
 from ..tensor import GlobalTensor, box, replicate
+from .op_record import record
 
 
 def written_objects(func, args, kwargs) -> list:
     """The tensors an in-place or out= op writes into."""
-    objs = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        objs.extend(v if isinstance(v, (list, tuple)) else [v])
+    objs = record(func).written_values(args, kwargs)
     for v in objs:
         if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor):
             raise TypeError(f"{func}: cannot write a global result into a plain (local) tensor; make the written "
@@ -37,15 +35,11 @@ def returned_inputs(func, args, kwargs, tensors: list) -> dict:
     """Output position -> tensor-input position, for outputs that are a written input (``add_``, out=)."""
     arguments = func._schema.arguments
     out = {}
-    for j, ret in enumerate(func._schema.returns):
-        if ret.alias_info is None or not ret.alias_info.is_write:
-            continue
-        for i, a in enumerate(arguments):
-            if a.alias_info is not None and a.alias_info.before_set == ret.alias_info.before_set:
-                v = args[i] if i < len(args) else kwargs.get(a.name)
-                k = next((k for k, t in enumerate(tensors) if t is v), None)
-                if k is not None:
-                    out[j] = k
+    for j, i in record(func).returns_written.items():
+        v = args[i] if i < len(args) else kwargs.get(arguments[i].name)
+        k = next((k for k, t in enumerate(tensors) if t is v), None)
+        if k is not None:
+            out[j] = k
     return out
 
 
@@ -56,23 +50,20 @@ def _functional(func):
     return getattr(getattr(torch.ops, func.namespace), name[:-1] if name.endswith("_") else name, None)
 
 
-def write_back(func, args, kwargs):
-    """Run the functional op, then box its result into the written tensor's layout and copy it in.
+def has_functional(func) -> bool:
+    """Whether the op has an out-of-place op of its name that :func:`write_back` can run (``add`` for
+    ``add_``, the op itself without ``out=``). Ops that write some inputs besides returning their
+    results (``_native_batch_norm_legit`` and its running statistics, a user's op) have none."""
+    functional = _functional(func)
+    return functional is not None and (functional is not func.overloadpacket or
+                                       any(a.is_out for a in func._schema.arguments))
 
-    Ops that write some inputs besides returning their results (``_native_batch_norm_legit``
-    updating the running statistics, whose rule keeps them in any layout; a user's op with a
-    rule of its own) have no out-of-place op of their name to run: when no signature keeps the
-    written inputs' layouts, they raise rather than call themselves again."""
+
+def write_back(func, args, kwargs):
+    """Run the functional op, then box its result into the written tensor's layout and copy it in."""
     target = written_objects(func, args, kwargs)[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    functional = _functional(func)
-    if functional is None or (functional is func.overloadpacket and not any(a.is_out for a in func._schema.arguments)):
-        layouts = ", ".join(f"{t._layout.nd_sbp}" for t in written_objects(func, args, kwargs)
-                            if isinstance(t, GlobalTensor))
-        raise NotImplementedError(f"{func}: no signature keeps the layouts of the tensors it writes ({layouts}) "
-                                  f"with these inputs; give the written tensors a layout a candidate of the op's rule "
-                                  f"keeps (e.g. .to_global(sbp=broadcast) first), or add such candidates to its rule")
-    result = functional(*args, **kwargs)
+    result = _functional(func)(*args, **kwargs)
     result = box(result if isinstance(result, GlobalTensor) else replicate(result, target.placement),
                  target._layout)
     for r, piece in target._pieces.items():

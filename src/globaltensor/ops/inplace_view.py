@@ -29,14 +29,15 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..tensor import GlobalTensor
+from ..torch_ops import aten
 from .inplace import written_objects
+from .op_record import record
 from .viewwrite import rebase
 
-aten = torch.ops.aten
 
 
 def is_inplace_view(func) -> bool:
-    return torch.Tag.inplace_view in func.tags
+    return record(func).inplace_view
 
 
 def run_inplace_view(func, args, kwargs):

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..comm import current as _current
 from ..comm import get_world
 from ..tensor import GlobalTensor, box, replicate, wrap_fresh, wrap_result
 from .args import Substitution, get
 from .boxed_copy import box_input
+from .op_record import record
 
 
 class LocalRun:
     def __init__(self, func, positions, targets, out_kind, out_layouts, local, returns_input, kernel=None,
-                 out_slots=None):
+                 out_slots=None, kept=()):
         self.func = func
+        self.kept = kept            # positions among the tensor inputs of the tensors the op writes
         self.kernel = kernel
         # a tuple / list result: which of its entries are tensors (the others are None, e.g. the
-        # grads a backward op's output_mask leaves out); out_layouts has one per tensor entry
+        # grads a backward op's output_mask leaves out, or numbers); out_layouts has one per tensor entry
         self.out_slots = out_slots
         self.call = func._op
         self.positions = positions
@@ -33,10 +37,9 @@ class LocalRun:
         self.returns_input = returns_input
         self.placement = (targets or out_layouts)[0].placement
         self.all_broadcast = [all(v.is_broadcast for v in t.nd_sbp) for t in targets]
-        returns = func._schema.returns
         # an op whose result may alias an input (``to``, ``contiguous``, views) can hand back the
         # input tensor itself; then so does this run, as torch does (``x.to(x.dtype) is x``)
-        self.may_return_self = out_kind == "tensor" and bool(returns) and returns[0].alias_info is not None
+        self.may_return_self = out_kind == "tensor" and record(func).returns_alias
         self._world = None
 
     def fast(self):
@@ -140,11 +143,12 @@ class LocalRun:
         return results, out
 
     def _wrap_several(self, results: dict, out) -> tuple:
-        """A tuple / list result of fresh tensors (None where the op left an entry out)."""
+        """A tuple / list result of fresh tensors (None where the op left an entry out, a number where
+        it returns one)."""
         outs, n = [], 0
         for j, piece in enumerate(out):
-            if piece is None:
-                outs.append(None)
+            if not isinstance(piece, torch.Tensor):
+                outs.append(piece)
                 continue
             outs.append(wrap_result(self.out_layouts[n], {r: results[r][j] for r in results}, self.device, piece))
             n += 1
@@ -222,8 +226,8 @@ class LocalRun:
         slots = self.out_slots if self.out_slots is not None else [True] * len(self.out_layouts)
         outs, n = [], 0
         for j, is_tensor in enumerate(slots):
-            if not is_tensor:
-                outs.append(None)
+            if not is_tensor:                   # None, or a number every rank computes alike (max_q)
+                outs.append(results[ranks[0]][j] if ranks else None)
                 continue
             k = self.returns_input.get(j)
             outs.append(inputs[k] if k is not None else

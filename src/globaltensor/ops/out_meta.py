@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import broadcast_shape
+from .op_record import record
 
 _SHORTCUT: dict = {}
 
@@ -61,7 +62,7 @@ def _takes_shortcut(func) -> bool:
             torch.Tag.pointwise in func.tags
             and len(schema.returns) == 1 and schema.returns[0].alias_info is None
             and str(schema.returns[0].type) == "Tensor"
-            and not any(a.alias_info is not None for a in schema.arguments))
+            and record(func).aliases_nothing)
     return ok
 
 

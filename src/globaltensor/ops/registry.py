@@ -14,7 +14,9 @@ pieces (after ``local``), returns ``{rank: result}``. ``blocked``: the op keeps 
 a split dim where it was (pointwise ops, matrix products, reductions over other dims, dim
 permutations), so each candidate holds with every split blocked alike (``split(d, blocks=f)``,
 f taken from the inputs): True for all candidates, or a function of the op's arguments
-returning the candidates for which this holds. It is called
+returning the candidates for which this holds. ``out_meta``: where the op's meta kernel and its
+device kernel disagree on an output's shape (eval batch norm's saved statistics are ``[C]`` on
+meta, ``[0]`` on CPU), ``out_meta(meta_out, device_type, *args, **kwargs)`` returns the device's. It is called
 once per call even when this process holds no rank of the placement (random ops reserve
 their counters there, so every process agrees), for ops whose pieces are not simply the
 aten op on the pieces (a random mask drawn from the rank's box, a vocabulary-split lookup).
@@ -27,8 +29,8 @@ from typing import Callable, Optional
 import torch
 
 from ..sbp import as_signature
+from ..torch_ops import MissingOp, aten  # noqa: F401  (the rule modules take aten from here)
 
-aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Rule:
     check_shapes: bool = False
     kernel: Optional[Callable] = None
     blocked: object = False
+    out_meta: Optional[Callable] = None
 
 
 RULES: dict = {}
@@ -50,20 +53,24 @@ def on_rules_changed(fn) -> None:
 
 
 def _overloads(op) -> list:
+    """The overloads a rule for ``op`` covers; none for an op this torch lacks (torch_ops.py)."""
+    if isinstance(op, MissingOp):
+        return []
     if isinstance(op, torch._ops.OpOverloadPacket):
         return [getattr(op, name) for name in op.overloads()]
     return [op]
 
 
-def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False):
+def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False,
+                  out_meta=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
     returning one. Usable as a decorator: ``@register_rule(aten.mm)``.
     """
     def install(fn):
-        _check_rule(ops, fn, local, kernel)
-        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked)
+        _check_rule(ops, fn, local, kernel, out_meta)
+        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule
@@ -76,10 +83,10 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     return candidates
 
 
-def _check_rule(ops, candidates, local, kernel) -> None:
+def _check_rule(ops, candidates, local, kernel, out_meta) -> None:
     """Bad arguments fail here, at registration, not at the op's first call."""
     for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
-        if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, MissingOp)):
             raise TypeError(f"register_rule: expected an aten op such as torch.ops.aten.mm, got {op!r}")
     if not callable(candidates):
         if not isinstance(candidates, (list, tuple)):
@@ -90,7 +97,7 @@ def _check_rule(ops, candidates, local, kernel) -> None:
                 as_signature(c)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"register_rule: candidate {c!r}: {e}") from None
-    for name, fn in (("local", local), ("kernel", kernel)):
+    for name, fn in (("local", local), ("kernel", kernel), ("out_meta", out_meta)):
         if fn is not None and not callable(fn):
             raise TypeError(f"register_rule: {name}= must be a function, got {fn!r}")
 

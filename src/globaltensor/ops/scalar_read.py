@@ -7,11 +7,10 @@ so no SBP signature describes it; the dispatcher runs it here, without the fallb
 """
 from __future__ import annotations
 
-import torch
-
 from ..tensor import GlobalTensor
+from ..torch_ops import aten
 
-SCALAR_READS = frozenset({torch.ops.aten._local_scalar_dense.default})
+SCALAR_READS = frozenset({aten._local_scalar_dense.default})
 
 
 def read_scalar(args: tuple, kwargs: dict):

@@ -17,7 +17,6 @@ Not covered: a write into the *base* after such a view was taken does not reach 
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 from torch.utils._pytree import tree_map
@@ -26,24 +25,12 @@ from ..comm import get_world
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box
 from .args import get
+from .op_record import record
 
 
-@lru_cache(maxsize=None)
 def aliased_argument(func) -> Optional[int]:
     """The schema position of the argument a view op's result aliases (None: not a view op)."""
-    schema = func._schema
-    for ret in schema.returns:
-        info = ret.alias_info
-        if info is None or info.is_write:
-            continue
-        for i, a in enumerate(schema.arguments):
-            arg = a.alias_info
-            if arg is None or arg.is_write:
-                continue
-            # ``Tensor(a) -> Tensor(a)``; a list result (split, unbind): ``Tensor(a -> *) -> Tensor(a)[]``
-            if arg.before_set & info.before_set or (not info.before_set and "*" in arg.after_set):
-                return i
-    return None
+    return record(func).view_of
 
 
 def _argument(func, args, kwargs, i):
@@ -126,7 +113,7 @@ class _ViewRun:
         return out
 
 
-class _WriteRun:
+class WriteRun:
     """Runs an in-place / out= op, then puts what it wrote into copy-views back into their bases."""
 
     def __init__(self, run, positions):
@@ -148,7 +135,7 @@ def wrap(func, run, positions, targets, written):
 
     ``written``: positions among the tensor inputs of the tensors the op writes."""
     if written:
-        return _WriteRun(run, [positions[k] for k in written])
+        return WriteRun(run, [positions[k] for k in written])
     i = aliased_argument(func)
     if i is None or not targets:
         return run

@@ -46,7 +46,7 @@ from ...boxing import Layout
 from ...sbp import broadcast, partial_sum
 from ...tensor import GlobalTensor, box
 from ..registry import aten, register_rule
-from .common import B, P, S, bind, sig
+from .common import B, P, S, bind, call_args, sig
 
 _TENSORS = ("input", "weight", "bias", "running_mean", "running_var")
 _FORWARD = [aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
@@ -245,21 +245,23 @@ def _write_running(caller, layout: Layout, pieces: dict, new: dict) -> None:
                 caller.copy_(t)            # a plain tensor stands for a broadcast one: every rank's value
 
 
+def _eval_saved_on_cpu(op):
+    """In eval the CPU kernel saves no statistics (``save_mean`` / ``save_invstd`` of shape ``[0]``),
+    where the meta kernel (and CUDA's) gives ``[C]``: the output meta follows the device."""
+    def out_meta(meta_out, device_type: str, *args, **kwargs):
+        if device_type != "cpu" or _training(op, bind(op, args, kwargs)):
+            return meta_out
+        empty = [torch.empty(0, dtype=t.dtype, device="meta") for t in meta_out[1:3]]
+        return (meta_out[0], *empty, *meta_out[3:])
+    return out_meta
+
+
 def _eval_pieces(func, a: dict, rm, rv) -> tuple:
-    """Eval: the running statistics (``rm``, ``rv``: per-channel, whole) normalise each piece;
-    the saved mean / inverse std are them."""
-    x, eps = a["input"], a["eps"]
-    shape = _channel_shape(x)
-    invstd = torch.rsqrt(rv + eps)
-    y = (x - rm.reshape(shape)) * invstd.reshape(shape)
-    if a.get("weight") is not None:
-        y = y * a["weight"].reshape(shape)
-    if a.get("bias") is not None:
-        y = y + a["bias"].reshape(shape)
-    out = (y.to(x.dtype), rm.clone(), invstd)
-    if func is aten._native_batch_norm_legit_functional.default:
-        out = out + (a["running_mean"].clone(), a["running_var"].clone())
-    return out
+    """Eval: the op itself on the piece, with the running statistics (``rm``, ``rv``) per-channel and
+    whole for the piece's channels -- each position is normalised on its own, so this is one
+    device's computation exactly (and its saved statistics, empty on CPU)."""
+    args, kwargs = call_args(func, dict(a, running_mean=rm, running_var=rv))
+    return func(*args, **kwargs)
 
 
 def _backward_kernel(func, args, kwargs, ins, outs, calls):
@@ -298,5 +300,5 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
 
 
 for _op in _FORWARD:
-    register_rule(_op, _forward_candidates(_op), kernel=_forward_kernel)
+    register_rule(_op, _forward_candidates(_op), kernel=_forward_kernel, out_meta=_eval_saved_on_cpu(_op))
 register_rule(aten.native_batch_norm_backward.default, _backward_candidates, kernel=_backward_kernel)

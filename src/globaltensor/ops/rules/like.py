@@ -2,7 +2,8 @@
 new_ones / new_full / new_empty.
 
 ``*_like`` makes a tensor of the input's shape, so each rank's result is the right piece for
-every layout the input has: ``S(d) -> S(d)``. A partial input's pieces have the full shape,
+every layout the input has: ``S(d) -> S(d)``, a blocked split too (optimizer states made with
+``zeros_like`` of a fused ``[q | k | v]`` parameter stay laid out as it is). A partial input's pieces have the full shape,
 and the values made do not depend on the input's, so ``P -> B`` (a fill of the whole tensor
 on every rank is a broadcast). ``zeros_like`` may also keep ``P -> P``: zeros sum to zero;
 ``ones_like`` may not (k ranks of ones sum to k).
@@ -38,8 +39,9 @@ def _like(partial_stays: bool):
     return rule
 
 
-register_rule(aten.zeros_like.default, _like(partial_stays=True))
-register_rule([aten.ones_like.default, aten.full_like.default, aten.empty_like.default], _like(partial_stays=False))
+register_rule(aten.zeros_like.default, _like(partial_stays=True), blocked=True)
+register_rule([aten.ones_like.default, aten.full_like.default, aten.empty_like.default], _like(partial_stays=False),
+              blocked=True)
 
 
 def _random_like(draw):

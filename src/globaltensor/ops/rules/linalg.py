@@ -8,6 +8,7 @@ past the list has 0: ``atol`` / ``rtol``) and of each output. The batch shape is
 the first output; where an output does not have it (``lu_unpack(unpack_data=False)`` returns
 empty tensors) the op takes no split. A batch dim an input broadcasts (size 1, or missing)
 leaves that input broadcast. None of these ops is linear: partial inputs are reduced first.
+The table names ops of every supported torch; one this torch lacks registers nothing.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ CORES = {
     aten.linalg_householder_product.default: ((2, 1), (2,)),
     aten.linalg_pinv.atol_rtol_tensor: ((2,), (2,)),
     aten.linalg_pinv.rcond_tensor: ((2,), (2,)),
+    aten.linalg_matrix_sqrth.default: ((2,), (2,)),          # torch 2.14 and later
+    aten.linalg_polar.default: ((2,), (2, 2)),               # torch 2.14 and later
 }
 
 

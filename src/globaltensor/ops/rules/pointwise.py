@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..op_record import record
 from ..registry import aten, register_rule, register_tag_rule
 from ...sbp import broadcast_shape
 from .common import B, P, S, bind, sig, tensors_of, widening
@@ -97,9 +98,7 @@ def _partial_groups(name: str, op, ts, named: dict) -> list:
 
 def _written_outs(op, named: dict) -> list:
     """The ``out=`` tensors (keyword-only written arguments)."""
-    return [named[a.name] for a in op._schema.arguments
-            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
-            and isinstance(named.get(a.name), torch.Tensor)]
+    return [named[a.name] for a in record(op).written if a.kwarg_only and isinstance(named.get(a.name), torch.Tensor)]
 
 
 def _pointwise(func_name: str, op=None):

@@ -36,10 +36,10 @@ from typing import Optional
 
 import torch
 
+from ...torch_ops import prims
 from ..registry import aten, register_rule
 from .common import P, S, bind, linear_cast, norm_dim, sig, with_arg
 
-prims = torch.ops.prims
 
 
 # -- reading an op's arguments by name --------------------------------------------------------

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ...torch_ops import prims
 from ..registry import aten, register_rule
 from ...sbp.shape import numel
 from .common import B, P, S, bind, each_dim_kept, norm_dim, sig
@@ -271,7 +272,7 @@ def _unbind(x, dim=0):
     return [sig([S(d)], [S(d - (d > dim))] * n) for d in range(x.dim()) if d != dim] + [sig([P], [P] * n)]
 
 
-@register_rule([aten.flip.default, torch.ops.prims.rev.default])
+@register_rule([aten.flip.default, prims.rev.default])
 def _flip(x, dims):
     """A split of a dim not flipped stays (a flipped split dim would need the pieces exchanged)."""
     flipped = {norm_dim(d, x.dim()) for d in dims}
