@@ -1,9 +1,14 @@
 # Two entry points: `make demo` and `make test`. Each builds .venv when it is missing.
+# `make test-compat` runs the suite against the ends of the torch range pyproject.toml declares,
+# each in a venv of its own (.venv-torch-<version>); .ci/run calls it after `make test`.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
+# the ends of the supported range (pyproject.toml: torch>=2.9,<2.15); docs/versions.md says why
+TORCH_OLDEST := 2.9.1
+TORCH_NEWEST := 2.14.1
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-compat bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -17,8 +22,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
 
+.venv-torch-%/.installed: pyproject.toml
+	test -x .venv-torch-$*/bin/python || python3 -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install -q "torch==$*"
+	.venv-torch-$*/bin/python -m pip install -q -e ".[dev]"
+	touch $@
+
+test-compat: .venv-torch-$(TORCH_OLDEST)/.installed .venv-torch-$(TORCH_NEWEST)/.installed
+	.venv-torch-$(TORCH_OLDEST)/bin/python -m pytest -n 2 tests
+	.venv-torch-$(TORCH_NEWEST)/bin/python -m pytest -n 2 tests
+
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf .venv
+	rm -rf .venv .venv-torch-*

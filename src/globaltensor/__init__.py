@@ -19,6 +19,7 @@ from .ops.list_ops import install_foreach_support
 from .ops.registry import register_rule
 from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
 from .inspect import boxing_plan
+from .calibration import calibrate
 from .viz import render_sharding, visualize
 from . import nn
 from .actor_rt import CaptureError, CompileError, CompiledFunction, GraphError, compile
@@ -37,5 +38,5 @@ __all__ = [
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
     "to_dtensor", "from_dtensor",
     "comm_profile", "CommProfile", "set_log_level",
-    "set_timeout", "set_check", "CollectiveError", "ConsistencyError",
+    "set_timeout", "set_check", "CollectiveError", "ConsistencyError", "calibrate",
 ]

@@ -11,7 +11,8 @@ exactly to the value), nd (opinfo_run.plan). Forward, and backward where the OpI
 autograd; every seed derives from the op's name, so a run is reproducible.
 
 An op's class is its worst case's: clean < fallback (some aten op gathered to broadcast) <
-raises < wrong. The test fails on any wrong answer, on an error globaltensor raises that is not
+raises < wrong. On a torch other than the development pin (expectations.PINNED) only wrong
+answers and unclear errors fail: which ops decompose, and into what, differs between releases. The test fails on any wrong answer, on an error globaltensor raises that is not
 a ValueError / TypeError / NotImplementedError with a message (torch's own errors above the
 dispatcher, e.g. a kernel reading a global index tensor's data, are listed with their reason), on an op worse than expected.json says,
 and on an op better than it says (so the lists shrink); regenerate them with
@@ -20,8 +21,11 @@ sample index and the layouts of its tensor arguments.
 """
 import pytest
 
-import expectations
-import opinfo_run as run
+pytest.importorskip("expecttest", reason="torch's OpInfo database imports expecttest, a dev extra "
+                                         "(pip install -e '.[dev]'; make test installs it)")
+
+import expectations  # noqa: E402
+import opinfo_run as run  # noqa: E402
 
 OPS = run.load_ops()
 LISTED = expectations.load()
@@ -32,6 +36,8 @@ def _cases(outcomes, classes) -> str:
                      for i, recipe, o in outcomes if o.cls in classes)
 
 
+@pytest.mark.skipif(not expectations.on_pinned_torch(),
+                    reason=f"expected.json lists the OpInfo ops of torch {expectations.PINNED}, the development pin")
 def test_expectation_lists_name_only_opinfo_ops():
     names = {run.op_id(op) for op in OPS}
     unknown = sorted(set(LISTED) - names)
@@ -47,6 +53,8 @@ def test_opinfo_op_matches_one_device(op):
         f"{name} gives a wrong answer:\n{_cases(outcomes, ('wrong',))}"
     unclear = run.unclear_errors(outcomes)
     assert not unclear, f"{name}: globaltensor raised an unclear error:\n{_cases(unclear, ('raises',))}"
+    if not expectations.on_pinned_torch():
+        return          # the classes of expected.json are the pinned torch's (expectations.PINNED)
     got, want = run.worst(outcomes), expectations.expected_class(LISTED, name)
     order = run.CLASSES.index
     assert order(got) <= order(want), \

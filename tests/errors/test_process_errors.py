@@ -46,8 +46,18 @@ def job(launch):
     return result, records
 
 
+def _has_shard_orders() -> bool:
+    try:
+        from torch.distributed.tensor._dtensor_spec import ShardOrderEntry  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("entry_id", list(PROCESS_ENTRIES))
 def test_process_error_is_raised_as_documented(job, entry_id):
+    if entry_id == "from-dtensor-shard-order" and not _has_shard_orders():
+        pytest.skip(f"torch {torch.__version__} has no DTensor shard orders (ShardOrderEntry came with 2.10)")
     result, records = job
     entry = entries()[entry_id]
     for rank in PROCESS_ENTRIES[entry_id]:

@@ -231,8 +231,11 @@ def test_loss_parallel_random_layouts(reduction):
 
 LCE_CASES = [("none", False), ("mean", False), ("mean", True), ("sum", True)]
 LCE_IDS = [f"{r}-{'chunked' if c else 'plain'}" for r, c in LCE_CASES]
+needs_lce = pytest.mark.skipif(not (hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")),
+                               reason="F.linear_cross_entropy and nn.LinearCrossEntropyOptions came with torch 2.13")
 
 
+@needs_lce
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("reduction,chunked", LCE_CASES, ids=LCE_IDS)
 def test_linear_cross_entropy_equals_one_device(world4, reduction, chunked):
@@ -253,6 +256,7 @@ def test_linear_cross_entropy_equals_one_device(world4, reduction, chunked):
         torch.testing.assert_close(a.full_tensor(), b, rtol=1e-12, atol=1e-12)
 
 
+@needs_lce
 @pytest.mark.filterwarnings("ignore")
 def test_chunked_linear_cross_entropy_without_reduction_names_why_its_backward_cannot_run(world4):
     """Its custom op's backward recomputes the gradients in Python, above the dispatcher, into plain

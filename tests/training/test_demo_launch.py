@@ -55,8 +55,9 @@ def test_demo_launched_as_4_processes_prints_ok_and_the_simulated_table(launch, 
     assert len(steps) == STEPS, "rank 0 printed a line per step:\n" + result.describe()
     assert any(line.startswith("OK:") for line in lines), result.describe()
     assert any("4 processes" in line for line in lines)
-    for r in (1, 2, 3):
-        assert result.lines(r) == [], f"rank {r} printed on stdout; only rank 0 should"
+    for r in (1, 2, 3):     # (torch's own gloo prints "[Gloo] Rank r is connected to ..." on some releases)
+        printed = [line for line in result.lines(r) if not line.startswith("[Gloo] ")]
+        assert printed == [], f"rank {r} printed on stdout; only rank 0 should"
     for i, row in enumerate(steps):
         # the same float32 program on the same machine, one thread each: the same bits
         assert row["reference"] == f"{table['losses']['reference'][i]:.6f}", "the same data and init"

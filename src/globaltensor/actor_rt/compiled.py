@@ -50,10 +50,12 @@ def _meta(leaf):
 
 
 def _flatten(args: tuple, kwargs: dict):
-    """The argument leaves and their structure; positional tensors and plain values without pytree."""
+    """The argument leaves and their structure (hashable: a graph's key); positional tensors and plain
+    values without pytree."""
     if not kwargs and all(type(a) not in (list, tuple, dict, type(None)) for a in args):
         return list(args), len(args)
-    return tree_flatten((args, kwargs))
+    leaves, spec = tree_flatten((args, kwargs))
+    return leaves, repr(spec)       # a TreeSpec holds its dict keys in a list before torch 2.7: unhashable
 
 
 def _micro_slice(t: torch.Tensor, m: int, j: int) -> torch.Tensor:

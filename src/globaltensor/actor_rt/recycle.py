@@ -21,11 +21,11 @@ from typing import Callable, Optional
 
 import torch
 
+from ..storage import alone_on_storage
 from ..torch_ops import aten
 
 EMPTY_LIKE_OPS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
                             aten.new_empty_strided.default})
-_storage_uses = torch._C._storage_Use_Count
 
 
 class Recycler:
@@ -41,9 +41,8 @@ class Recycler:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         for t, meta in self.pool:
             # unheld: referred to by the pool, ``t`` and getrefcount's argument only, and no other
-            # tensor on its storage (the count includes the storage object made here)
-            if (sys.getrefcount(t) == 3 and _storage_uses(t.untyped_storage()._cdata) == 2
-                    and _meta(t) == meta):
+            # tensor on its storage
+            if sys.getrefcount(t) == 3 and alone_on_storage(t) and _meta(t) == meta:
                 return t
         t = self.op(*args, **kwargs)
         if t.device.type == "cpu":

@@ -45,6 +45,7 @@ from ..comm.profile_context import labelled
 from ..comm.stats import ring_bytes
 from ..comm.world import all_reduce_bytes, done, observed
 from ..sbp.shape import numel as numel_of
+from ..storage import alone_on_storage
 from ..tensor import GlobalTensor, box, gradient_layout
 
 _raw_grad = torch._C.TensorBase.grad
@@ -175,7 +176,7 @@ class GradBuckets:
         buckets for the same reason: memory the allocator hands out afresh costs a page fault per
         page when first written, and the copies into a bucket would pay them every step."""
         spare = self.spare.get((numel, dtype, device), [])
-        buf = next((b for b in spare if _sole_holder(b)), None)
+        buf = next((b for b in spare if alone_on_storage(b)), None)
         if buf is None:
             buf = torch.empty(numel, dtype=dtype, device=device)
         else:
@@ -211,12 +212,6 @@ class GradBuckets:
             self.started.append(finish)
         else:
             finish()
-
-
-def _sole_holder(buf: torch.Tensor) -> bool:
-    """Whether ``buf`` is the only tensor on its storage: no gradient, view or piece made from it
-    is alive. (The count includes the reference the storage object made here holds.)"""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
 
 
 def _plan(p, g: GlobalTensor, overlap: bool) -> Optional[tuple]:

@@ -44,7 +44,7 @@ def run_inplace_view(func, args, kwargs):
     """Run a metadata in-place op on the global tensor it changes; returns that tensor."""
     x = _changed(func, args, kwargs)
     # bad arguments get torch's own error here, before anything has changed
-    func(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), *map(_meta, args[1:]), **kwargs)
+    func(_probe(func, x), *map(_meta, args[1:]), **kwargs)
     op, rest, kw = _out_of_place(func, x, args[1:], kwargs)
     y = op(x, *rest, **kw)
     _set_wrapper_meta(func, args, kwargs)
@@ -71,6 +71,19 @@ def _out_of_place(func, x, rest, kwargs):
     if func in (aten.resize_.default, aten.resize_as_.default):
         return _resize(func, x, tuple(rest[0].shape if func is aten.resize_as_.default else rest[0]))
     return _functional(func), rest, kwargs
+
+
+_DIM_OPS = {aten.transpose_.default, aten.t_.default, aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims,
+            aten.unsqueeze_.default}
+
+
+def _probe(func, x):
+    """A stand-in for ``x`` to check ``func``'s arguments on: for the ops that check only dims, an
+    empty CPU tensor of ``x``'s rank -- the device kernel raises torch's own error (the meta kernels
+    of some releases assert instead); for the others (sizes and strides matter) ``x`` on meta."""
+    if func in _DIM_OPS:
+        return torch.empty((0,) * x.dim(), dtype=x.dtype)
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
 
 
 def _meta(v):

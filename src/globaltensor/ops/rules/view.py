@@ -279,11 +279,30 @@ def _flip(x, dims):
     return each_dim_kept(x, linear=True, skip=flipped)
 
 
-@register_rule(aten.constant_pad_nd.default)
 def _constant_pad(x, pad, value=0):
     """``pad`` holds (before, after) pairs for the last dims, the last dim first."""
     padded = {x.dim() - 1 - i // 2 for i, n in enumerate(pad) if n != 0}
     return each_dim_kept(x, linear=value == 0, skip=padded)
+
+
+def _pads_empty_pieces() -> bool:
+    """Whether this torch crops and pads a tensor with an empty dim (torch 2.10 and older raise
+    "negative output size" for a piece that an uneven split left empty, when another dim is cropped)."""
+    try:
+        aten.constant_pad_nd.default(torch.empty(2, 3, 0), [0, 0, -1, 2])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _pad_pieces(func, args, kwargs, ins, outs, calls):
+    """Each rank's piece padded; an empty piece's result made directly (its output is empty too)."""
+    value = bind(func, args, kwargs)["value"]
+    return {r: torch.full(outs[0].piece_shape(r), value, dtype=outs[0].dtype, device=a[0].device)
+            if a[0].numel() == 0 else func(*a, **kw) for r, (a, kw) in calls.items()}
+
+
+register_rule(aten.constant_pad_nd.default, _constant_pad, kernel=None if _pads_empty_pieces() else _pad_pieces)
 
 
 @register_rule(aten.unfold.default)

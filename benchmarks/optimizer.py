@@ -1,0 +1,116 @@
+"""The optimizer step over a GPT's parameters: globaltensor beside plain torch and DTensor, foreach and fused.
+
+    .venv/bin/python benchmarks/optimizer.py [--quick] [--embd 256] [--nproc 2]
+
+Each of ``nproc`` gloo processes holds the GPT of actor_runtime.py (n_embd 256, 4 layers) and steps
+AdamW over it three ways, rounds interleaved: plain torch over local tensors, globaltensor over global
+parameters, DTensor over DTensor parameters -- broadcast / ``Replicate`` (every rank updates the whole
+model, as in data parallelism: the same work on each side) -- with ``foreach=True`` and with
+``fused=True``. The gradients are set once; the steps only update. globaltensor runs each foreach (or
+fused) op as one local call per group of parameters sharing placement, device and dtype; the script
+counts those calls (one per op here: one group) and checks that each side's parameters match plain
+torch's after the same steps.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _harness as H
+from actor_runtime import GPT_EMBD, GPT_HEADS, GPT_LAYERS, GPT_VOCAB
+
+
+def _params(embd: int):
+    import torch
+    sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "examples"))
+    from gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=64, n_layer=GPT_LAYERS, n_head=GPT_HEADS, n_embd=embd))
+    return [p.detach() for p in model.parameters()]
+
+
+def _local_calls(step) -> dict:
+    """The aten ops one ``step()`` runs on plain pieces, by name (globaltensor's local calls)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from globaltensor.tensor import GlobalTensor
+    from collections import Counter
+    seen = Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, GlobalTensor) for t in types):
+                with self:
+                    return GlobalTensor.__torch_dispatch__(func, types, args, kwargs or {})
+            seen[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        step()
+    return dict(seen)
+
+
+def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
+    import torch
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+    import globaltensor as gt
+
+    values = _params(embd)
+    placement = gt.placement("cpu", list(range(world)))
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(v.shape, generator=g) for v in values]
+    sides = {
+        "plain": [v.clone().requires_grad_() for v in values],
+        "gt": [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values],
+        "dt": [distribute_tensor(v.clone(), mesh, [Replicate()]).requires_grad_() for v in values],
+    }
+    for name, ps in sides.items():
+        for p, gr in zip(ps, grads):
+            p.grad = gt.distribute(gr, placement, gt.sbp.broadcast) if name == "gt" else \
+                distribute_tensor(gr, mesh, [Replicate()]) if name == "dt" else gr.clone()
+    result = {"params": len(values), "numel": sum(v.numel() for v in values), "times": {}, "calls": {}}
+    for mode in ("foreach", "fused"):
+        kw = {"foreach": True} if mode == "foreach" else {"fused": True}
+        opts = {name: torch.optim.AdamW(ps, lr=1e-4, **kw) for name, ps in sides.items()}
+        times = H.timed_many({f"{name} {mode}": opt.step for name, opt in opts.items()},
+                             warmup=3, repeats=5 if quick else 15, inner=2 if quick else 5)
+        result["times"].update(times)
+        calls = _local_calls(opts["gt"].step)            # one more step: the others take it too
+        opts["plain"].step()
+        opts["dt"].step()
+        result["calls"][mode] = {k: v for k, v in calls.items() if k.startswith(("_foreach_", "_fused_"))}
+    want = sides["plain"]
+    with torch.no_grad():
+        result["max diff gt"] = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sides["gt"], want))
+        result["max diff dt"] = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sides["dt"], want))
+    return result
+
+
+def report(res) -> None:
+    t = res["times"]
+    rows = []
+    for mode in ("foreach", "fused"):
+        plain, gt_, dt = t[f"plain {mode}"], t[f"gt {mode}"], t[f"dt {mode}"]
+        rows.append([f"AdamW {mode}", H.fmt(plain), H.fmt(gt_), H.fmt(dt), f"{H.paired_ratio(gt_, plain):.3f}x",
+                     f"{H.paired_ratio(gt_, dt):.3f}x"])
+    print(H.table(["step", "plain ms", "gt ms", "DTensor ms", "gt / plain", "gt / DTensor"], rows,
+                  f"## AdamW step over {res['params']} parameters ({res['numel']:,} elements), broadcast"))
+    for mode, calls in res["calls"].items():
+        print(f"gt local calls of one {mode} step: " + ", ".join(f"{k} x{v}" for k, v in sorted(calls.items())))
+    print(f"largest difference from plain torch after the same steps: gt {res['max diff gt']:.2e}, "
+          f"DTensor {res['max diff dt']:.2e}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--embd", type=int, default=GPT_EMBD)
+    ap.add_argument("--nproc", type=int, default=2)
+    args = ap.parse_args(argv)
+    print(H.header("optimizer"))
+    report(H.spawn(_worker, args.nproc, args.quick, args.embd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

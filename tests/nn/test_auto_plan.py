@@ -1,0 +1,191 @@
+"""``gt.nn.auto_plan``: the chosen layouts train as one device, and a step sends no more than the hand plans.
+
+Each auto-planned model trains a step of examples/gpt.py's GPT (or a HuggingFace model) in float64
+beside the same model on one device (nn_models.TOL: sums in another order), and the step's bytes --
+forward, backward and the optimizer's gradient reads, counted by ``gt.comm_stats`` on the simulated
+world -- are compared with those of the hand plans on the same model and batch: pure data parallel,
+Megatron (examples/gpt.py's TENSOR_PARALLEL), examples/demo.py's 2x2 hybrid. The bytes the plan
+modelled (its meta run) must be what the real step sends."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import globaltensor as gt
+import globaltensor.nn as gnn
+from globaltensor.tensor import GlobalTensor
+from nn_models import TOL
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch  # noqa: E402
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+
+
+def gpt_step(model, idx, targets):
+    model.loss(idx, targets).backward()
+
+
+def _batch(cfg, batch, seq):
+    return make_batch(cfg, batch, seq, torch.Generator().manual_seed(1))
+
+
+def _step_bytes(model, placement, plan, input_sbps, args, zero_axis=None):
+    """One training step of a copy of ``model`` laid out by ``plan``: its bytes and loss, the reference's."""
+    m = copy.deepcopy(model)
+    gnn.distribute_module(m, placement, plan)
+    opt = gnn.ZeroOptimizer(m.parameters(), torch.optim.AdamW, axis=zero_axis, lr=1e-2) if zero_axis is not None \
+        else torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g_args = [gt.distribute(a, placement, sbp) for a, sbp in zip(args, input_sbps)]
+    with gt.comm_stats() as st:
+        loss = m.loss(*g_args)
+        loss.backward()
+        opt.step()
+    return st.bytes_sent, m, loss
+
+
+def _reference_step(model, args):
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss = ref.loss(*args)
+    loss.backward()
+    opt.step()
+    return ref, loss
+
+
+def _equal_one_device(m, ref, loss, ref_loss):
+    torch.testing.assert_close(loss.full_tensor(), ref_loss, **TOL)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), **TOL, msg=name)
+
+
+def _auto(model, placement, args, **kw):
+    plan = gnn.auto_plan(model, placement, args, step=gpt_step, **kw)
+    bytes_, m, loss = _step_bytes(model, placement, plan, plan.inputs, args, plan.zero_axis)
+    ref, ref_loss = _reference_step(model, args)
+    _equal_one_device(m, ref, loss, ref_loss)
+    assert bytes_ == plan.cost.bytes, f"the plan modelled {plan.cost.bytes:,} bytes, the step sent {bytes_:,}"
+    return plan, bytes_
+
+
+def _gpt(seed=0, **cfg):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**cfg)).double()
+
+
+def test_small_model_large_batch_is_no_dearer_than_data_parallel(p1):
+    model = _gpt(n_embd=16, n_layer=2)
+    args = _batch(model.cfg, 32, 16)
+    plan, auto = _auto(model, p1, args)
+    dp, _, _ = _step_bytes(model, p1, {}, [S(0), S(0)], args)
+    assert auto <= dp
+
+
+def test_wide_model_small_batch_is_no_dearer_than_megatron(p1):
+    model = _gpt(n_embd=128, n_layer=2)
+    args = _batch(model.cfg, 2, 16)
+    plan, auto = _auto(model, p1, args)
+    megatron, _, _ = _step_bytes(model, p1, gnn.megatron_plan(**TENSOR_PARALLEL), [B, B], args)
+    dp, _, _ = _step_bytes(model, p1, {}, [S(0), S(0)], args)
+    assert auto <= min(megatron, dp)
+
+
+def test_2x2_is_no_dearer_than_the_demos_hybrid_plan(p2):
+    model = _gpt()
+    args = _batch(model.cfg, 8, 16)
+    plan, auto = _auto(model, p2, args)
+    hybrid, _, _ = _step_bytes(model, p2, gnn.megatron_plan(**TENSOR_PARALLEL, axis=1, ndim=2), [(S(0), B)] * 2, args)
+    assert auto <= hybrid
+
+
+def test_a_memory_limit_below_replicated_state_splits_parameters_or_state(p1):
+    """Replicated float64 parameters, gradients and AdamW's two moments need 4x the parameters per rank;
+    a limit below that forces a split, and the plan's measured memory fits it."""
+    model = _gpt(n_embd=64, n_layer=2)
+    args = _batch(model.cfg, 8, 16)
+    replicated = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    free = gnn.auto_plan(model, p1, args, step=gpt_step)
+    limit = int(replicated * 0.8) + free.cost.memory_parts["activations"]
+    plan, _ = _auto(model, p1, args, memory_limit=limit)
+    assert plan.cost.memory <= limit
+    assert plan.zero_axis is not None or any(v.is_split for nd in plan.values() for v in nd)
+    with pytest.raises(ValueError, match="no layout fits"):
+        gnn.auto_plan(model, p1, args, step=gpt_step, memory_limit=1000)
+
+
+def test_the_plan_explains_itself_and_round_trips(p1):
+    model = _gpt()
+    args = _batch(model.cfg, 8, 16)
+    plan = gnn.auto_plan(model, p1, args, step=gpt_step)
+    text = plan.explain()
+    assert "blocks.0.attn.qkv" in text and "memory per rank" in text
+    for name in ("data parallel", "tensor parallel (Megatron)", "data parallel + ZeRO"):
+        assert f"| {name} |" in text, text
+    again = gnn.AutoPlan.from_dict(plan.to_dict())
+    assert dict(again) == dict(plan) and again.inputs == plan.inputs and again.zero_axis == plan.zero_axis
+    assert again.to_dict() == plan.to_dict()
+    assert gnn.auto_plan(model, p1, args, step=gpt_step) is plan          # cached by structure and meta
+
+
+def test_shapes_as_example_arguments(p1):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).double()
+    plan = gnn.auto_plan(model, p1, [(64, 8)])
+    assert set(plan) == {n for n, _ in model.named_parameters()}
+    m = copy.deepcopy(model)
+    gnn.distribute_module(m, p1, plan)
+    x = torch.randn(64, 8, dtype=torch.float64)
+    torch.testing.assert_close(m(gt.distribute(x, p1, plan.inputs[0])).full_tensor(), model(x), **TOL)
+
+
+def test_a_compiled_step_of_an_auto_planned_model_equals_eager(p1):
+    model = _gpt()
+    args = _batch(model.cfg, 8, 16)
+    plan = gnn.auto_plan(model, p1, args, step=gpt_step)
+    models = [copy.deepcopy(model) for _ in range(2)]
+    steps = []
+    for m in models:
+        gnn.distribute_module(m, p1, plan)
+        opt = plan.optimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+
+        def step(idx, targets, m=m, opt=opt):
+            loss = m.loss(idx, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        steps.append(step)
+    eager, compiled = steps[0], gt.compile(steps[1])
+    for _ in range(3):
+        g_args = [gt.distribute(a, p1, sbp) for a, sbp in zip(args, plan.inputs)]
+        torch.testing.assert_close(compiled(*g_args).full_tensor(), eager(*g_args).full_tensor(), **TOL)
+    for p, q in zip(models[1].parameters(), models[0].parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **TOL)
+
+
+def test_calibration_is_measured_and_used(world4, monkeypatch):
+    import globaltensor.calibration as calibration
+    monkeypatch.setattr(calibration, "_CACHE", {})       # the other tests plan with the default model
+    cal = gt.calibrate(small=4096, large=65536, repeats=2)
+    assert set(cal.links) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert all(v.bandwidth > 0 and v.latency >= 0 for v in cal.links.values())
+    assert calibration.current_calibration() is cal
+
+
+@pytest.mark.parametrize("bad,kw,match", [
+    ("model", {}, "expected an nn.Module"),
+    ("args", {}, "expected a tuple of tensors or shapes"),
+    (None, {"memory_limit": -1}, "expected a positive number of bytes"),
+    (None, {"step": 3}, "expected a function"),
+])
+def test_bad_arguments_raise_naming_them(p1, bad, kw, match):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises((TypeError, ValueError), match=match):
+        gnn.auto_plan("net" if bad == "model" else model, p1, "x" if bad == "args" else [(8, 4)], **kw)
+
+
+def _hf_parameters_split(m) -> bool:
+    return any(isinstance(p, GlobalTensor) and any(v.is_split for v in p.sbp) for p in m.parameters())
