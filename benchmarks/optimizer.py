@@ -30,23 +30,31 @@ def _params(embd: int):
 
 
 def _local_calls(step) -> dict:
-    """The aten ops one ``step()`` runs on plain pieces, by name (globaltensor's local calls)."""
-    import torch
+    """``{op name: local calls per global call}`` of the foreach and fused ops one ``step()`` runs: how
+    many calls on plain pieces each call on global tensors made (the layout groups)."""
+    from collections import Counter
     from torch.utils._python_dispatch import TorchDispatchMode
     from globaltensor.tensor import GlobalTensor
-    from collections import Counter
-    seen = Counter()
+    local, calls = Counter(), Counter()
+    inside = []
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
             if any(issubclass(t, GlobalTensor) for t in types):
-                with self:
-                    return GlobalTensor.__torch_dispatch__(func, types, args, kwargs or {})
-            seen[func.overloadpacket.__name__] += 1
+                calls[name] += 1
+                inside.append(name)
+                try:
+                    with self:
+                        return GlobalTensor.__torch_dispatch__(func, types, args, kwargs or {})
+                finally:
+                    inside.pop()
+            if inside and name == inside[-1]:       # the global op's own local calls (not plain-only ops)
+                local[name] += 1
             return func(*args, **(kwargs or {}))
     with Count():
         step()
-    return dict(seen)
+    return {k: local[k] / n for k, n in calls.items() if k.startswith(("_foreach_", "_fused_"))}
 
 
 def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
@@ -78,7 +86,7 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
         calls = _local_calls(opts["gt"].step)            # one more step: the others take it too
         opts["plain"].step()
         opts["dt"].step()
-        result["calls"][mode] = {k: v for k, v in calls.items() if k.startswith(("_foreach_", "_fused_"))}
+        result["calls"][mode] = calls
     want = sides["plain"]
     with torch.no_grad():
         result["max diff gt"] = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sides["gt"], want))
@@ -96,7 +104,8 @@ def report(res) -> None:
     print(H.table(["step", "plain ms", "gt ms", "DTensor ms", "gt / plain", "gt / DTensor"], rows,
                   f"## AdamW step over {res['params']} parameters ({res['numel']:,} elements), broadcast"))
     for mode, calls in res["calls"].items():
-        print(f"gt local calls of one {mode} step: " + ", ".join(f"{k} x{v}" for k, v in sorted(calls.items())))
+        print(f"gt local calls per call of the {mode} step's ops: " +
+              ", ".join(f"{k} {v:g}" for k, v in sorted(calls.items())))
     print(f"largest difference from plain torch after the same steps: gt {res['max diff gt']:.2e}, "
           f"DTensor {res['max diff dt']:.2e}")
 

@@ -25,8 +25,10 @@ import actor_runtime
 import boxing
 import consistency_check
 import eager_overhead
+import gpu
 import hybrid_gpt
 import models
+import optimizer
 import subclass_floor
 import tp_mlp
 
@@ -59,6 +61,9 @@ JOBS = {
     "check": ("consistency check off and on, 2 processes",
               lambda q: H.spawn(consistency_check._worker_procs, 2, q)),
     "models": ("HF Llama / GPT-2 and a BatchNorm CNN, bytes per step, 4 simulated ranks", models.measure),
+    "optim": ("AdamW step over the GPT's parameters, foreach and fused, 2 processes",
+              lambda q: H.spawn(optimizer._worker, 2, q)),
+    "gpu": ("GPT training step on one GPU (CUDA only)", lambda q: H.spawn(gpu._worker, 0, q)),
 }
 
 
@@ -153,6 +158,35 @@ def floor_rows(step: str, embd: int) -> Callable[[dict], list]:
     return rows
 
 
+def optimizer_rows(res) -> list:
+    """The optimizer step over global parameters beside plain torch's and DTensor's, and its local calls."""
+    t, out = res["times"], []
+    for mode in ("foreach", "fused"):
+        ours, plain, dt = t[f"gt {mode}"], t[f"plain {mode}"], t[f"dt {mode}"]
+        out.append(row(f"AdamW {mode} step, GPT parameters (2 procs) vs plain torch", f"{H.fmt(ours)} ms",
+                       f"plain {H.fmt(plain)} ms", H.paired_ratio(ours, plain), 1.2))
+        out.append(row(f"AdamW {mode} step, GPT parameters (2 procs) vs DTensor", f"{H.fmt(ours)} ms",
+                       f"DTensor {H.fmt(dt)} ms", H.paired_ratio(ours, dt), 1.0))
+    calls = max(v for mode in res["calls"].values() for v in mode.values())
+    out.append(row("local calls per foreach / fused call vs layout groups (1)", f"{calls:g}", "groups 1", calls, 1.0))
+    return out
+
+
+def gpu_rows(res) -> list:
+    """The GPU goals of one GPU: gt eager <= DTensor, the AdamW step <= 1.2x plain, compiled <= 1.05x plain."""
+    if res["device"] is None:
+        return [["GPU rows", "n/a (no CUDA device)", "-", "-", "-", "-"]]
+    out = []
+    for label, t in res["rows"].items():
+        out.append(row(f"GPU {res['device']}: {label}, gt eager vs DTensor", f"{H.fmt(t['gt'])} ms",
+                       f"DTensor {H.fmt(t['dt'])} ms", H.paired_ratio(t["gt"], t["dt"]), 1.0))
+        out.append(row(f"GPU {res['device']}: {label}, AdamW step vs plain", f"{H.fmt(t['gt step'])} ms",
+                       f"plain {H.fmt(t['plain step'])} ms", H.paired_ratio(t["gt step"], t["plain step"]), 1.2))
+        out.append(row(f"GPU {res['device']}: {label}, compiled vs plain", f"{H.fmt(t['gtc'])} ms",
+                       f"plain {H.fmt(t['plain'])} ms", H.paired_ratio(t["gtc"], t["plain"]), 1.05))
+    return out
+
+
 def check_rows(res) -> list:
     """What gt.set_check(True) costs per op (a cost to know, not a goal: the check is off by default)."""
     return [[f"consistency check on, {r['op']} (2 procs)", f"{H.fmt(r['on'], 1e6, 1)} us",
@@ -181,6 +215,8 @@ MEASURES = [
     Measure("rt_pp", runtime_rows("pp")),
     Measure("models", model_rows),
     Measure("check", check_rows),
+    Measure("optim", optimizer_rows),
+    Measure("gpu", gpu_rows),
 ]
 
 

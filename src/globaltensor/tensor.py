@@ -130,6 +130,7 @@ class GlobalTensor(torch.Tensor):
     _layout: Layout
     _pieces: dict
     _boxed = None   # the ops layer's kept boxed copy (ops/boxed_copy.py); a class default reads fast
+    _view_of = None     # a copy-view's recipe (ops/viewwrite.py), likewise
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -182,8 +183,8 @@ class GlobalTensor(torch.Tensor):
         """The gradient in this tensor's layout (partial axes as broadcast): an accumulated
         partial gradient is reduced here, once, when it is read."""
         g = _grad_slot.__get__(self)
-        if isinstance(g, GlobalTensor):
-            want = getattr(self, "_grad_layout", None) or gradient_layout(self._layout)
+        if g.__class__ is GlobalTensor and g._layout is not self._layout:     # the same object: nothing to do
+            want = gradient_layout(self._layout)
             if g._layout != want:
                 g = run_labelled("grad read", box, g, want)
                 _grad_slot.__set__(self, g)

@@ -67,6 +67,11 @@ def _flash_attention_with_dropout():
     torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.1, False)
 
 
+def _calibrate_one_rank():
+    with gt.simulate(1):
+        gt.calibrate()
+
+
 def _assign_split_dim():
     S(0).dim = 1
 
@@ -222,6 +227,16 @@ CASES = {
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),
     "op-writes-unlisted": _unlisted_fused_step,
+    "auto-plan-model": lambda: gnn.auto_plan("net", p4(), [(8, 4)]),
+    "auto-plan-placement": lambda: gnn.auto_plan(nn.Linear(4, 4), [0, 1, 2, 3], [(8, 4)]),
+    "auto-plan-args": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), "x"),
+    "auto-plan-arg": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), ["x"]),
+    "auto-plan-step": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], step=3),
+    "auto-plan-memory-limit": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], memory_limit=-1),
+    "auto-plan-no-fit": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], memory_limit=100),
+    "calibrate-argument": lambda: gt.calibrate(small=0),
+    "calibrate-sizes": lambda: gt.calibrate(small=4096, large=1024),
+    "calibrate-world": _calibrate_one_rank,
     "cuda-attention-dropout": _flash_attention_with_dropout,
     "list-op-plain-element": lambda: _fused_step([gt.distribute(torch.zeros(8, 4), p4(), S(0)).requires_grad_(),
                                                   torch.zeros(3, requires_grad=True)]),

@@ -14,14 +14,18 @@ def _module_of(name: str) -> str:
 
 
 def _by_module(events) -> dict:
-    """``{module: {phase: [bytes, collectives]}}`` of the chosen option's collectives."""
-    out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    """``{module: {phase: [bytes, collectives]}}`` of the chosen option's collectives: the bytes the
+    busiest rank sends in them, the collectives it takes part in (groups of other axes run beside)."""
+    sent: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    count: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     for e in events:
         module = e.module.partition(".")[2] or "(model)" if e.module != "Global" else "(outside modules)"
         phase = e.phase if e.phase in ("forward", "backward") else "optimizer"
-        out[module][phase][0] += e.bytes
-        out[module][phase][1] += 1
-    return out
+        for r in e.group:
+            sent[module][phase][r] += e.bytes_per_rank.get(r, 0)
+            count[module][phase][r] += 1
+    return {m: {ph: [max(per_rank.values()), max(count[m][ph].values())] for ph, per_rank in phases.items()}
+            for m, phases in sent.items()}
 
 
 def _row(cells) -> str:
@@ -34,7 +38,7 @@ def explain(plan) -> str:
     costs = _by_module(chosen.cost.events)
     modules = sorted({_module_of(n) for n in chosen.params} | set(costs))
     lines.append(_row(["module", "parameters", "forward bytes (collectives)", "backward bytes (collectives)",
-                       "optimizer bytes (collectives)"]))
+                       "optimizer step bytes (collectives)"]))
     lines.append(_row(["---"] * 5))
     for m in modules:
         params = ", ".join(f"{n.rpartition('.')[2]} {_fmt_nd(nd)}" for n, nd in chosen.params.items()

@@ -223,7 +223,7 @@ def _plan(p, g: GlobalTensor, overlap: bool) -> Optional[tuple]:
             return None
         want = g._layout.with_sbp(sharded)
     else:
-        want = getattr(p, "_grad_layout", None) or gradient_layout(p._layout)
+        want = gradient_layout(p._layout)
     if want.shape != g._layout.shape:
         return None
     axes = tuple(a for a, v in enumerate(g.sbp) if v.is_partial)

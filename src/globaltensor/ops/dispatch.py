@@ -42,6 +42,7 @@ from .boxed_copy import copy_layout
 from .consistency import confirm_op
 from .fallback import reject_other_layouts, run_fallback
 from .list_ops import ListRun, decide_list_op, list_kind
+from .interned import intern as _intern
 from .inplace import has_functional, returned_inputs, write_back, written_objects
 from .inplace_view import is_inplace_view, run_inplace_view
 from .local_run import LocalRun
@@ -167,6 +168,8 @@ def _list_arg_key(v):
     if t is float or t is int:
         return t
     if t is list or t is tuple:
+        if v and type(v[0]) in (float, int):          # a ScalarList: its length only
+            return (t, float, len(v))
         if not _grad_enabled():
             try:        # a list of global tensors, keyed in C: with grad off requires_grad decides nothing
                 return (t, tuple(map(id, map(_LAYOUT_OF, v))))
@@ -368,14 +371,6 @@ def _blocks_fit(c, in_layouts, out_meta, placement) -> bool:
                    for shape, nd in [(lay.shape, nd) for lay, nd in zip(in_layouts, c.inputs)] +
                    [(shape, nd) for (shape, _), nd in zip(out_meta, c.outputs)]
                    if any(v.is_split and v.blocks > 1 for v in nd))
-
-
-_LAYOUTS: dict = {}
-
-
-def _intern(layout: Layout) -> Layout:
-    """One object per distinct layout, so the hot path usually compares layouts by identity."""
-    return _LAYOUTS.setdefault(layout, layout)
 
 
 def _pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, positions, rule, placement) -> bool:

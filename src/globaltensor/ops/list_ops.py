@@ -29,6 +29,7 @@ one rank's piece counts for the whole tensor.
 from __future__ import annotations
 
 import importlib
+from operator import attrgetter, itemgetter
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -41,10 +42,14 @@ from ..tensor import GlobalTensor, box, replicate, wrap_result
 from .boxed_copy import box_input
 from .args import get
 from .foreach import element_call
+from .interned import intern
 from .local_run import LocalRun
 from .op_record import record
 from .viewwrite import propagate
 
+_LAYOUT_OF = attrgetter("_layout")
+_PIECES_OF = attrgetter("_pieces")
+_VIEW_OF = attrgetter("_view_of")
 FUSED = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
 UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
 
@@ -85,6 +90,8 @@ class ListRun:
         self.checks = [(s, [(i, t) for (k, i), t in targets.items() if k == s and t is not None])
                        for s in range(len(slots))]
         self.checks = [(s, pairs) for s, pairs in self.checks if pairs]
+        # a slot whose every element has a target, listed in element order: checked in one comparison
+        self.whole = {s: [t for _, t in pairs] for s, pairs in self.checks if [i for i, _ in pairs] == list(range(n))}
         self.view_checked = [s for s, slot in enumerate(slots) if slot.written and slot.per_element and slot.tensors]
         self.shared = shared                # slot index -> Layout of a shared global tensor (broadcast), or None
         self.groups = groups                # [(placement, [elements])]
@@ -116,6 +123,9 @@ class ListRun:
         slots = self.slots
         for s, pairs in self.checks:
             given = slots[s].get(args, kwargs)
+            whole = self.whole.get(s)
+            if whole is not None and slots[s].all_global and list(map(_LAYOUT_OF, given)) == whole:
+                continue            # list == compares by identity first: the interned targets, in C
             for i, target in pairs:
                 v = given[i]
                 if type(v) is GlobalTensor:
@@ -162,7 +172,8 @@ class ListRun:
             return [v[i] for _ in ranks for i in elements]
         if slot.all_global and not values:
             picked = v if len(elements) == len(v) else [v[i] for i in elements]
-            return [t._pieces[r] for r in ranks for t in picked]
+            pieces = list(map(_PIECES_OF, picked))
+            return [p for r in ranks for p in map(itemgetter(r), pieces)]
         out = []
         for n, r in enumerate(ranks):
             for i in elements:
@@ -211,8 +222,11 @@ class ListRun:
                     if back._pieces[r] is not piece:
                         piece.copy_(back._pieces[r])
         for s in self.view_checked:
-            for t in self.slots[s].get(args, kwargs):
-                if getattr(t, "_view_of", None) is not None:
+            given = self.slots[s].get(args, kwargs)
+            if self.slots[s].all_global and not any(map(_VIEW_OF, given)):
+                continue
+            for t in given:
+                if type(t) is GlobalTensor and t._view_of is not None:
                     propagate(t)
 
     def _run_solo(self, args, kwargs, i: int):
@@ -256,7 +270,7 @@ def decide_list_op(func, kind: str, args, kwargs, decide_element: Callable) -> L
             if slot.tensors and not slot.per_element:
                 v = slot.get(args, kwargs)
                 if isinstance(v, GlobalTensor):
-                    shared[s] = v._layout.with_sbp((broadcast,) * v.placement.ndim)
+                    shared[s] = intern(v._layout.with_sbp((broadcast,) * v.placement.ndim))
     groups = _groups(slots, n, targets, solo, args, kwargs)
     return ListRun(func, kind, slots, n, targets, shared, groups, solo, outs)
 
@@ -295,10 +309,10 @@ def _element_targets(kind: str, args, kwargs, slots, n: int) -> dict:
         for s, values in lists:
             t = values[i]
             if kind == "unscale":
-                targets[s, i] = t._layout if isinstance(t, GlobalTensor) else None
+                targets[s, i] = intern(t._layout) if isinstance(t, GlobalTensor) else None
             elif isinstance(t, torch.Tensor) and (isinstance(t, GlobalTensor) or t.dim() > 0):
-                targets[s, i] = Layout(tuple(t.shape), t.dtype, lead.placement, nd if t.dim() else
-                                       (broadcast,) * lead.placement.ndim)
+                targets[s, i] = intern(Layout(tuple(t.shape), t.dtype, lead.placement, nd if t.dim() else
+                                              (broadcast,) * lead.placement.ndim))
             else:
                 targets[s, i] = None          # a plain scalar tensor (a step count): as it is on every rank
     return targets

@@ -1,0 +1,108 @@
+"""The GPT training step on one GPU: plain torch, DTensor, globaltensor eager and compiled (needs CUDA).
+
+    .venv/bin/python benchmarks/gpu.py [--quick]
+
+One process, one GPU, a 1-rank placement (no communication: what each library adds to the same
+step). Two sizes -- n_embd 256, 4 layers, batch 8 x 128, and n_embd 1024, 8 layers, batch 8 x 512 --
+each a whole step with AdamW (torch's default on CUDA: foreach), then split into forward + backward
+and the optimizer's step. Rounds interleaved, medians, CUDA synchronised around every call; the
+device's name heads the table. Without CUDA it says so and measures nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import _harness as H
+
+SIZES = {"n_embd 256, 4 layers, batch 8x128": (256, 4, 8, 128), "n_embd 1024, 8 layers, batch 8x512": (1024, 8, 8, 512)}
+
+
+def _worker(rank: int, world: int, quick: bool):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor, init_device_mesh
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPT, GPTConfig
+    import globaltensor as gt
+
+    if not torch.cuda.is_available():
+        return {"device": None}
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{H.free_port()}", rank=0, world_size=1)
+    device = torch.device("cuda", 0)
+    placement = gt.placement("cuda", [0])
+    mesh = init_device_mesh("cuda", (1,))
+    results = {"device": torch.cuda.get_device_name(0), "rows": {}}
+    for label, (embd, layers, batch, seq) in SIZES.items():
+        cfg = GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=max(embd // 64, 1), n_embd=embd)
+        torch.manual_seed(0)
+        base = GPT(cfg).to(device)
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        models = {"plain": base, "dt": GPT(cfg).to(device), "gt": GPT(cfg).to(device), "gtc": GPT(cfg).to(device)}
+        for m in list(models.values())[1:]:
+            m.load_state_dict(base.state_dict())
+        distribute_module(models["dt"], mesh)                     # every parameter Replicate()
+        for name in ("gt", "gtc"):
+            gt.nn.distribute_module(models[name], placement)
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+        dt_idx = distribute_tensor(idx, mesh, [Replicate()])
+        gt_idx = gt.distribute(idx, placement, gt.sbp.broadcast)
+        inputs = {"plain": idx, "dt": dt_idx, "gt": gt_idx, "gtc": gt_idx}
+
+        def fwd_bwd(k):
+            models[k].loss(inputs[k], inputs[k]).backward()
+
+        def step_fn(k):
+            def step(i, t):
+                loss = models[k].loss(i, t)
+                loss.backward()
+                opts[k].step()
+                opts[k].zero_grad()
+                return loss.detach()
+            return step
+        steps = {k: step_fn(k) for k in models}
+        steps["gtc"] = gt.compile(steps["gtc"])
+
+        def synced(fn):
+            def run():
+                fn()
+                torch.cuda.synchronize()
+            return run
+        reps = dict(warmup=3, repeats=3 if quick else 10, inner=2 if quick else 5, sync=False)
+        whole = H.timed_many({k: synced(lambda k=k: steps[k](inputs[k], inputs[k])) for k in models}, **reps)
+        parts = {f"{k} fwd+bwd": synced(lambda k=k: fwd_bwd(k)) for k in ("plain", "gt")}
+        parts.update({f"{k} step": synced(opts[k].step) for k in ("plain", "gt")})
+        split = H.timed_many(parts, **reps)
+        results["rows"][label] = {**whole, **split}
+    dist.destroy_process_group()
+    return results
+
+
+def report(res) -> None:
+    if res["device"] is None:
+        print("no CUDA device: the GPU rows are not measured")
+        return
+    rows, parts = [], []
+    for label, t in res["rows"].items():
+        rows.append([label, H.fmt(t["plain"]), H.fmt(t["dt"]), H.fmt(t["gt"]), H.fmt(t["gtc"]),
+                     H.ratio(t["gt"], t["dt"]), H.ratio(t["gtc"], t["plain"])])
+        parts.append([label, H.fmt(t["plain fwd+bwd"]), H.fmt(t["gt fwd+bwd"]), H.fmt(t["plain step"]),
+                      H.fmt(t["gt step"]), H.ratio(t["gt step"], t["plain step"])])
+    print(H.table(["GPT", "plain ms", "DTensor ms", "gt eager ms", "gt compiled ms", "gt eager / DTensor",
+                   "compiled / plain"], rows, f"## GPT step with AdamW on {res['device']}, a 1-rank placement"))
+    print(H.table(["GPT", "plain fwd+bwd", "gt fwd+bwd", "plain AdamW step", "gt AdamW step", "gt / plain step"],
+                  parts, "## forward + backward and the optimizer's step"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    print(H.header("gpu"))
+    report(H.spawn(_worker, 0, args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
