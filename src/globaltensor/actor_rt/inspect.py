@@ -5,6 +5,7 @@ import json
 from collections import Counter
 
 from .lower import Program
+from .segments import plan_segments
 
 _COLOURS = {"compute": "lightblue", "collective": "orange", "copy": "palegreen"}
 
@@ -19,6 +20,8 @@ class PlanView:
         self.registers = {t.name: t.registers for t in program.tasks}
         self.memory_bound = program.memory_bound
         self.micro_batches = program.micro_batches
+        #: each compute stream's runs of tasks a CUDA graph could replay, and why the others cannot
+        self.segments = plan_segments(program)
 
     def __repr__(self) -> str:
         kinds = Counter(t.stream.rsplit(":", 1)[-1] for t in self.tasks)
@@ -28,6 +31,10 @@ class PlanView:
         for name, tasks in self.streams.items():
             shown = ", ".join(tasks[:6]) + (f", ... ({len(tasks)} in all)" if len(tasks) > 6 else "")
             lines.append(f"  {name}: {shown}")
+        graphs = [seg for seg in self.segments if seg.capturable]
+        reasons = Counter(seg.reason.split(" (")[0] for seg in self.segments if not seg.capturable)
+        lines.append(f"  compute segments: {len(self.segments)}, {len(graphs)} capturable as CUDA graphs"
+                     + "".join(f"; {n} not: {why}" for why, n in reasons.items()))
         return "\n".join(lines)
 
 
