@@ -383,6 +383,7 @@ def unclear_errors(outcomes) -> list:
 
 SAMPLES_PER_OP = 3
 SAMPLES_LOOKED_AT = 8
+FLAG_SAMPLES_LOOKED_AT = 32
 
 
 def _richness(sample) -> int:
@@ -390,27 +391,42 @@ def _richness(sample) -> int:
     return sum(v.dim() for v in tree_flatten(_args(sample))[0] if isinstance(v, torch.Tensor))
 
 
+def _flags(sample) -> tuple:
+    """The sample's boolean arguments: its mode (``training``, ``keepdim``, ``is_causal``, ...)."""
+    return tuple(v for v in tree_flatten((list(sample.args), sample.kwargs))[0] if isinstance(v, bool))
+
+
 def plan(op, have: list) -> list:
     """``(sample index, recipe, seed)`` for the op: a fixed, seeded subset.
 
     Of the op's first ``SAMPLES_LOOKED_AT`` samples, the one with the most tensor dims (OpInfo
     lists 0-dim samples first) and up to two more picked at random; the first runs on
-    ``split`` and ``nd``, the others each on one recipe picked at random. All choices are
-    seeded by the op's name, so every run makes the same ones."""
+    ``split`` and ``nd``, the others each on one recipe picked at random. Then, of its first
+    ``FLAG_SAMPLES_LOOKED_AT``, the first sample of every combination of boolean arguments the
+    chosen ones leave out (batch norm in eval as well as in training, ``keepdim`` both ways), on a
+    recipe picked at random. All choices are seeded by the op's name, so every run makes the same
+    ones."""
     name = op_id(op)
     rng = random.Random(seed_of(name))
-    order = sorted(range(len(have)), key=lambda i: (-_richness(have[i]), i))
+    first = have[:SAMPLES_LOOKED_AT]
+    order = sorted(range(len(first)), key=lambda i: (-_richness(first[i]), i))
     chosen = order[:1] + rng.sample(order[1:], min(SAMPLES_PER_OP - 1, len(order) - 1)) if order else []
     cases = []
     for k, i in enumerate(chosen):
         for recipe in (("split", "nd") if k == 0 else (rng.choice(RECIPES),)):
+            cases.append((i, recipe, seed_of(name, i, recipe)))
+    covered = {_flags(have[i]) for i in chosen}
+    for i, sample in enumerate(have):
+        if _flags(sample) not in covered:
+            covered.add(_flags(sample))
+            recipe = rng.choice(RECIPES)
             cases.append((i, recipe, seed_of(name, i, recipe)))
     return cases
 
 
 def classify_op(op, cases=None) -> list:
     """``[(sample index, recipe, Outcome)]`` for the op's plan (or the given cases)."""
-    have = samples(op, SAMPLES_LOOKED_AT)
+    have = samples(op, FLAG_SAMPLES_LOOKED_AT)
     cases = plan(op, have) if cases is None else cases
     return [(i, recipe, run_case(op, have[i], recipe, seed)) for i, recipe, seed in cases if i < len(have)]
 

@@ -7,8 +7,11 @@ of each op's first 8 sample inputs, the one with the most tensor dims runs on a 
 (every tensor split along a random dim, uneven where the size is not a multiple of 4) and a
 2x2 nd-SBP (each tensor a random pair of split / broadcast / partial), and two more samples
 picked at random each run on one random recipe of split, broadcast, partial (pieces summing
-exactly to the value), nd (opinfo_run.plan). Forward, and backward where the OpInfo supports
-autograd; every seed derives from the op's name, so a run is reproducible.
+exactly to the value), nd; then, of its first 32, one sample of every combination of boolean
+arguments those left out (batch norm in eval as in training), on a random recipe
+(opinfo_run.plan). Forward, and backward where the OpInfo supports autograd; every seed derives
+from the op's name, so a run is reproducible. The tensors an op writes (``native_batch_norm``'s
+running statistics, an in-place op's input) are compared after the call like its outputs.
 
 An op's class is its worst case's: clean < fallback (some aten op gathered to broadcast) <
 raises < wrong. On a torch other than the development pin (expectations.PINNED) only wrong

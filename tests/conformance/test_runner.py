@@ -70,3 +70,16 @@ def test_partial_pieces_sum_exactly():
             nd = (gt.sbp.partial_sum,) * placement.ndim
             x = run.lay_out(t, placement, nd, random.Random(0))
             assert torch.equal(x.full_tensor(), t)
+
+
+@pytest.mark.parametrize("name", ["native_batch_norm", "_native_batch_norm_legit", "nn.functional.batch_norm"])
+def test_the_plan_runs_batch_norm_in_eval_as_well_as_in_training(name):
+    """The samples chosen at random may all train; every combination of boolean arguments runs too."""
+    op = OPS[name]
+    have = run.samples(op, run.FLAG_SAMPLES_LOOKED_AT)
+    modes = set()
+    for i, _, _ in run.plan(op, have):
+        s = have[i]
+        training = s.kwargs.get("training", next((a for a in s.args if isinstance(a, bool)), False))
+        modes.add(training)
+    assert modes == {True, False}

@@ -103,13 +103,16 @@ class ListRun:
     def __call__(self, args, kwargs):
         if _current._world is not self._world:
             self._held()
+        given_found = None
+        if self.kind == "unscale":
+            args, kwargs, given_found = self._plain_found_inf(args, kwargs)
         values, boxed = self._inputs(args, kwargs)
         results: Dict[int, dict] = {}
         for placement, elements in self.groups:
             for device, ranks in self._devices[placement]:
                 self._run_group(args, kwargs, values, elements, device, ranks, results)
         if self.kind == "unscale":
-            self._agree_found_inf(args, kwargs)
+            self._agree_found_inf(args, kwargs, given_found)
         self._write_back(args, kwargs, boxed)
         solo = {i: self._run_solo(args, kwargs, i) for i in self.solo}
         if self.out_layouts is None:
@@ -199,18 +202,36 @@ class ListRun:
             return v.to(device)
         return v
 
-    def _agree_found_inf(self, args, kwargs) -> None:
-        """In a process world: ``found_inf`` summed over the gradients' ranks and clamped to 1."""
+    def _plain_found_inf(self, args, kwargs) -> tuple:
+        """A global ``found_inf`` (GradScaler's is plain) as a plain tensor of its whole value for the
+        calls: ``(args, kwargs, the global one or None)``."""
+        slot = next(s for s in self.slots if s.name == "found_inf")
+        found = slot.get(args, kwargs)
+        if type(found) is not GlobalTensor:
+            return args, kwargs, None
+        whole = box(found, found._layout.with_sbp((broadcast,) * found.placement.ndim))
+        plain = next(iter(whole._pieces.values())).clone()
+        if slot.where == 0:
+            args = args[:slot.key] + (plain,) + args[slot.key + 1:]
+        else:
+            kwargs = dict(kwargs, **{slot.key: plain})
+        return args, kwargs, found
+
+    def _agree_found_inf(self, args, kwargs, given=None) -> None:
+        """In a process world: ``found_inf`` summed over the gradients' ranks and clamped to 1; then, for
+        a global one, the value written into its own layout."""
         world = get_world()
-        if world.simulated:
-            return
         found = next(slot for slot in self.slots if slot.name == "found_inf").get(args, kwargs)
         ranks = tuple(sorted({r for placement, _ in self.groups for r in placement.rank_list()}))
-        if not ranks or not any(world.holds(r) for r in ranks) or isinstance(found, GlobalTensor):
-            return
-        summed = world.all_reduce(ranks, {r: found.detach().clone() for r in world.local_ranks if r in ranks})
-        with torch.no_grad():
-            found.copy_(next(iter(summed.values())).clamp_(max=1))
+        if not world.simulated and ranks and any(world.holds(r) for r in ranks):
+            summed = world.all_reduce(ranks, {r: found.detach().clone() for r in world.local_ranks if r in ranks})
+            with torch.no_grad():
+                found.copy_(next(iter(summed.values())).clamp_(max=1))
+        if given is not None:
+            back = box(replicate(found, given.placement), given._layout)
+            with torch.no_grad():
+                for r, piece in given._pieces.items():
+                    piece.copy_(back._pieces[r])
 
     def _write_back(self, args, kwargs, boxed) -> None:
         """Written elements boxed into a copy: the copy back into the caller's layout; copy-views
