@@ -96,10 +96,12 @@ def plan_segments(program: Program) -> List[Segment]:
             if publishes or reason:
                 current = None
     for seg in segments:
-        members = set(seg.tasks)
+        members, seen = set(seg.tasks), set()
         for tid in seg.tasks:
             for x in tasks[tid].inputs:
-                if (x[0] != "task" or x[1] not in members) and x not in seg.inputs:
+                key = (x[0], id(x[1])) if x[0] == "const" else x      # a constant: by identity (a tensor)
+                if (x[0] != "task" or x[1] not in members) and key not in seen:
+                    seen.add(key)
                     seg.inputs.append(x)
             for o in range(n_out[tid]):
                 if (tid, o) in returned or readers.get((tid, o), set()) - members:

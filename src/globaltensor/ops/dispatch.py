@@ -101,16 +101,18 @@ def _cacheable(key) -> bool:
     return True
 
 
-def _key(func, args, kwargs) -> tuple:
+def _key(func, args, kwargs, arg_key=None) -> tuple:
     """The cache key of a call. The op and the global inputs' layouts enter by ``id``: both hash
     in Python, and ids are cheap. A layout's id stands for the layout only once it is interned
     (interned layouts live as long as the process); keys are stored only then. The cached
-    decision holds the op, so its id is not reused while the entry lives."""
+    decision holds the op, so its id is not reused while the entry lives. ``arg_key``: how an
+    argument enters (:func:`_arg_key`; a list op's, :func:`_list_arg_key`)."""
+    arg_key = arg_key or _arg_key
     key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
-    key.extend(map(_arg_key, args))
+    key.extend(map(arg_key, args))
     if kwargs:
         key.append(_KEYWORDS)
-        key.extend((k, _arg_key(v)) for k, v in kwargs.items())
+        key.extend((k, arg_key(v)) for k, v in kwargs.items())
     return tuple(key)
 
 
@@ -155,12 +157,7 @@ def _list_key(func, args, kwargs) -> tuple:
     """The cache key of a list op: its tensors' layouts, its numbers by type only. Learning rates,
     betas and the bias corrections in a ``ScalarList`` change every step, and a list op's decision
     (its elements' signatures) does not depend on their values."""
-    key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
-    key.extend(map(_list_arg_key, args))
-    if kwargs:
-        key.append(_KEYWORDS)
-        key.extend((k, _list_arg_key(v)) for k, v in kwargs.items())
-    return tuple(key)
+    return _key(func, args, kwargs, _list_arg_key)
 
 
 def _list_arg_key(v):
