@@ -102,17 +102,37 @@ def test_2x2_is_no_dearer_than_the_demos_hybrid_plan(p2):
     assert auto <= hybrid
 
 
+def _measured_peak(model, placement, plan, args) -> int:
+    """The most bytes any rank holds during a real step of the plan: its parameters' pieces, plus the
+    peak of every global tensor the step makes (activations, gradients, the optimizer's state)."""
+    from globaltensor.nn.auto_cost import LiveBytes
+    m = copy.deepcopy(model)
+    gnn.distribute_module(m, placement, plan)
+    opt = plan.optimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    g_args = [gt.distribute(a, placement, sbp) for a, sbp in zip(args, plan.inputs)]
+    live = LiveBytes()
+    with live.watching():
+        m.loss(*g_args).backward()
+        opt.step()
+    params = {r: sum(p.local_tensors()[r].numel() * p.element_size() for p in m.parameters())
+              for r in placement.rank_list()}
+    return max(params[r] + live.peak[r] for r in placement.rank_list())
+
+
 def test_a_memory_limit_below_replicated_state_splits_parameters_or_state(p1):
-    """Replicated float64 parameters, gradients and AdamW's two moments need 4x the parameters per rank;
-    a limit below that forces a split, and the plan's measured memory fits it."""
-    model = _gpt(n_embd=64, n_layer=2)
-    args = _batch(model.cfg, 8, 16)
+    """Unlimited, a small model with a large batch is data parallel: replicated float64 parameters,
+    gradients and AdamW's two moments, 4x the parameters per rank, beside the activations. A limit
+    below that forces a split (here ZeRO's), and the chosen plan's measured peak per rank fits it."""
+    model = _gpt(n_embd=32, n_layer=2)
+    args = _batch(model.cfg, 32, 16)
     replicated = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
     free = gnn.auto_plan(model, p1, args, step=gpt_step)
+    assert free.chosen.candidate.roles == ("data",) and not free.chosen.candidate.zero
     limit = int(replicated * 0.8) + free.cost.memory_parts["activations"]
     plan, _ = _auto(model, p1, args, memory_limit=limit)
-    assert plan.cost.memory <= limit
+    assert plan.cost.memory <= limit < free.cost.memory
     assert plan.zero_axis is not None or any(v.is_split for nd in plan.values() for v in nd)
+    assert _measured_peak(model, p1, plan, args) <= limit
     with pytest.raises(ValueError, match="no layout fits"):
         gnn.auto_plan(model, p1, args, step=gpt_step, memory_limit=1000)
 

@@ -194,6 +194,9 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
             metas[id(t)] = meta_global(t.shape, t.dtype, placement, buffers[name], world)
         inputs = [meta_global(shape, dtype, placement, nd, world) for shape, dtype, nd in args]
         live = LiveBytes()
+        if zero_axis is not None:              # as ZeroOptimizer marks them: buckets reduce-scatter to the shards
+            for g in param_layouts.values():
+                g._sharded_grad = shard_sbp(g, zero_axis)
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
         try:
             with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta():
@@ -227,7 +230,8 @@ def _seconds(events, ranks, calibration) -> float:
 
 def _optimizer_reads(params: Dict[str, GlobalTensor], zero_axis) -> None:
     """What the optimizer's step sends: each gradient read in its parameter's layout (a partial one
-    reduced), or with ZeRO reduce-scattered to the shard and the updated shard all-gathered."""
+    reduced), or with ZeRO boxed to the shard (the buckets reduce-scattered it there already) and the
+    updated shard all-gathered, as ZeroOptimizer.step does."""
     with torch.no_grad():
         for p in params.values():
             raw = torch._C.TensorBase.grad.__get__(p)
