@@ -110,8 +110,8 @@ def vocabulary_head(model: nn.Module, layers: List[Linear]) -> Optional[Linear]:
     return next((layer for layer in layers if "." not in layer.name and layer.out_features in vocab), None)
 
 
-def _tensor_sbp(name: str, t: torch.Tensor, pairs: dict, layers: Dict[str, Linear], head: Optional[str],
-                blocked: bool):
+def _tensor_sbp(name: str, pairs: dict, layers: Dict[str, Linear], head: Optional[str], blocked: bool):
+    """A parameter's SBP on a tensor axis: split as its layer's Megatron role says, else broadcast."""
     module, _, attr = name.rpartition(".")
     layer = layers.get(module)
     if layer is None:
@@ -134,8 +134,8 @@ def _fsdp_sbp(t: torch.Tensor):
 
 def parameter_layouts(model: nn.Module, candidate: Candidate, tensors: Dict[str, torch.Tensor],
                       hierarchy: tuple, order: Dict[str, int]) -> Dict[str, tuple]:
-    """The nd-SBP of each parameter and buffer under ``candidate``; where a blocked split leaves no
-    plain split of a dim room on another axis, that axis splits another dim, or none."""
+    """The nd-SBP of each parameter (``tensors``, by name) under ``candidate``; where a blocked split
+    leaves a plain split of a dim no room on another axis, that axis splits another dim, or none."""
     layers = linears(model, order)
     pairs = megatron_pairs(layers)
     by_name = {layer.name: layer for layer in layers}
@@ -146,7 +146,7 @@ def parameter_layouts(model: nn.Module, candidate: Candidate, tensors: Dict[str,
         per_axis = []
         for role in candidate.roles:
             if role == "tensor":
-                per_axis.append(_tensor_sbp(name, t, pairs, by_name, head_name, candidate.blocked))
+                per_axis.append(_tensor_sbp(name, pairs, by_name, head_name, candidate.blocked))
             elif role == "fsdp":
                 per_axis.append(_fsdp_sbp(t))
             else:

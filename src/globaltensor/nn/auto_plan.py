@@ -32,9 +32,10 @@ from torch.utils._pytree import tree_flatten
 from ..calibration import current_calibration
 from ..comm import get_world
 from ..placement import Placement
-from ..sbp import broadcast, split
+from ..sbp import broadcast, partial_sum, split
 from .auto_candidates import Candidate, candidates, input_layout, is_linear, parameter_layouts
 from .auto_cost import Cost, evaluate
+from .auto_explain import explain
 from .zero import ZeroOptimizer
 
 #: optimizer state per parameter element, in parameters' worth: Adam and its kin keep two moments
@@ -113,7 +114,6 @@ class AutoPlan(Mapping):
     def explain(self) -> str:
         """Per module: its parameters' SBPs and the bytes and collectives it costs forward and backward;
         then memory per rank, and the best alternatives beside the choice."""
-        from .auto_explain import explain
         return explain(self)
 
     def __repr__(self) -> str:
@@ -124,11 +124,14 @@ class AutoPlan(Mapping):
     # -- round trip -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"placement": {"type": self.placement.type, "ranks": self.placement.ranks.tolist()},
-                "memory_limit": self.memory_limit, "chosen": self.options.index(self.chosen),
+                "memory_limit": self.memory_limit,
+                "chosen": next(i for i, o in enumerate(self.options) if o is self.chosen),
                 "options": [o.to_dict() for o in self.options]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "AutoPlan":
+        """The plan :meth:`to_dict` wrote: its layouts, inputs and costs (not the single collectives
+        behind the costs, so ``explain()``'s per-module columns of a loaded plan are empty)."""
         placement = Placement(data["placement"]["type"], data["placement"]["ranks"])
         options = [_option_from_dict(o) for o in data["options"]]
         return cls(placement, options[data["chosen"]], options, data["memory_limit"])
@@ -139,7 +142,6 @@ def _nd_to_list(nd: tuple) -> list:
 
 
 def _nd_from_list(values: list) -> tuple:
-    from ..sbp import partial_sum
     return tuple(split(v[1], v[2]) if v[0] == "S" else partial_sum if v[0] == "P" else broadcast for v in values)
 
 

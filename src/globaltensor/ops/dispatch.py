@@ -121,10 +121,11 @@ def dispatch(cls, func, types, args=(), kwargs=None):
         return attribution.within_op(dispatch, cls, func, types, args, kwargs)
     if _check.enabled:
         confirm_op(func, args, kwargs)
-    if func in _LIST_FUNCS:
+    fid = id(func)
+    if fid in _LIST_OPS:
         return _dispatch_list(func, args, kwargs or {})
     # the hit path is ``_key`` inlined for global tensors without a kept copy, one look-up
-    key = [id(func), "inside" if _decomposing.recorded else _grad_enabled()]
+    key = [fid, "inside" if _decomposing.recorded else _grad_enabled()]
     for v in args:
         if type(v) is GlobalTensor and v._boxed is None:
             key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
@@ -143,14 +144,14 @@ def dispatch(cls, func, types, args=(), kwargs=None):
         if decision is None:
             decision = _decide(func, args, kwargs)
             if isinstance(decision, ListRun):
-                _LIST_FUNCS.add(func)
+                _LIST_OPS.add(id(func))            # the decision holds the op: its id is not reused
                 key = _list_key(func, args, kwargs)
             if _cacheable(key):
                 _CACHE[key] = decision
     return decision(args, kwargs)
 
 
-_LIST_FUNCS: set = set()        # the list ops met so far: keyed without their numbers
+_LIST_OPS: set = set()          # ids of the list ops met so far: keyed without their numbers
 
 
 def _list_key(func, args, kwargs) -> tuple:
