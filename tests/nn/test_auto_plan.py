@@ -17,7 +17,6 @@ import torch
 
 import globaltensor as gt
 import globaltensor.nn as gnn
-from globaltensor.tensor import GlobalTensor
 from nn_models import TOL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -205,7 +204,3 @@ def test_bad_arguments_raise_naming_them(p1, bad, kw, match):
     model = torch.nn.Linear(4, 4)
     with pytest.raises((TypeError, ValueError), match=match):
         gnn.auto_plan("net" if bad == "model" else model, p1, "x" if bad == "args" else [(8, 4)], **kw)
-
-
-def _hf_parameters_split(m) -> bool:
-    return any(isinstance(p, GlobalTensor) and any(v.is_split for v in p.sbp) for p in m.parameters())

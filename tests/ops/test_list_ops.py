@@ -6,7 +6,6 @@ tensor's at the same positions (the kernel's arithmetic per element does not dep
 piece starts)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import globaltensor as gt
