@@ -16,9 +16,11 @@ from typing import Dict
 
 import torch
 
+from .boxing import Layout
 from .comm import comm_stats, get_world
 from .placement import Placement
 from .sbp import broadcast, partial_sum, split
+from .tensor import GlobalTensor
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
@@ -117,8 +119,6 @@ _CONVERSIONS = {             # kind -> (source sbp, target sbp, target ranks rot
 
 def _measure(kind: str, ranks: list, nbytes: int, repeats: int) -> tuple:
     """(bytes the busiest rank sends, fastest seconds) of the conversion that runs ``kind``."""
-    from .tensor import GlobalTensor
-    from .boxing import Layout
     src_sbp, dst_sbp, rotated = _CONVERSIONS[kind]
     p = len(ranks)
     side = max(p, int((nbytes // 4) ** 0.5) // p * p)

@@ -357,6 +357,18 @@ def box(t: GlobalTensor, target: Layout) -> GlobalTensor:
     return GlobalTensor(target, pieces)
 
 
+def write_into(target: GlobalTensor, value: torch.Tensor) -> None:
+    """Write ``value`` (a global tensor, or a plain one taken as broadcast) into ``target``'s own pieces:
+    boxed into ``target``'s layout, copied into each piece that is not already the one boxed."""
+    if not isinstance(value, GlobalTensor):
+        value = replicate(value, target.placement)
+    back = box(value, target._layout)
+    with torch.no_grad():
+        for r, piece in target._pieces.items():
+            if back._pieces[r] is not piece:
+                piece.copy_(back._pieces[r])
+
+
 def gradient_layout(layout: Layout) -> Layout:
     """The layout a gradient takes by default: the tensor's own, partial axes as broadcast."""
     if not layout.has_partial:

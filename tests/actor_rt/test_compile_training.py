@@ -248,3 +248,16 @@ def test_bucketed_gradients_left_in_place_equal_eager(p1):
                 pe.grad.mul_(2.0)
         for (name, pc), pe in zip(m_c.named_parameters(), m_e.parameters()):
             assert_close_rel(pc.grad, pe.grad, f"bucket_bytes={bucket_bytes}: {name}.grad after mul_(2)")
+
+
+def test_a_compiled_optimizer_step_records_one_task_per_group(p1):
+    """Three parameters of three layouts on 4 ranks: each foreach op of the captured AdamW step is one
+    task (ops/list_ops.py: one local call per group of elements), not one per parameter."""
+    ws = [gt.distribute(torch.randn(8, 4), p1, S(0)).requires_grad_(), gt.distribute(torch.randn(4), p1, B).requires_grad_(),
+          gt.distribute(torch.randn(4, 8), p1, S(1)).requires_grad_()]
+    loss = lambda x: ((x @ ws[0]) * ws[1]).sum() + ws[2].sum()        # noqa: E731
+    g = gt.compile(training_step(loss, torch.optim.AdamW(ws, lr=0.1, foreach=True)))
+    for _ in range(3):
+        g(gt.distribute(torch.randn(5, 8), p1, B))
+    lerps = [t for t in g.plan.tasks if "_foreach_lerp_" in t.name]
+    assert len(lerps) == 1, [t.name for t in lerps]

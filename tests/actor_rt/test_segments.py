@@ -10,6 +10,7 @@ import torch
 import globaltensor as gt
 from globaltensor.actor_rt.lower import Program, TaskSpec
 from globaltensor.actor_rt.segments import plan_segments
+from nn_models import training_step
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -69,15 +70,7 @@ def test_a_collective_on_the_compute_stream_breaks_it():
 
 def test_the_plan_of_a_cpu_step_shows_its_segments(p1):
     w = gt.distribute(torch.randn(6, 3), p1, gt.sbp.broadcast).requires_grad_()
-    opt = torch.optim.SGD([w], lr=0.1)
-
-    def step(x):
-        loss = (x @ w).pow(2).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    g = gt.compile(step)
+    g = gt.compile(training_step(lambda x: (x @ w).pow(2).sum(), torch.optim.SGD([w], lr=0.1)))
     for _ in range(3):
         g(gt.distribute(torch.randn(8, 6), p1, gt.sbp.split(0)))
     plan = g.plan

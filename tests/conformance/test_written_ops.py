@@ -30,7 +30,7 @@ def _params(n=3, seed=0):
     return [torch.randn(s, generator=g) for s in [(8, 5), (7,), (4, 6)][:n]]
 
 
-def _adam(op, lr_tensor=False):
+def _adam(lr_tensor=False):
     ps, gs, ms, vs = (_params(seed=k) for k in range(4))
     vs = [v.abs() for v in vs]
     steps = [torch.tensor(3.0) for _ in ps]
@@ -76,10 +76,10 @@ def _cum_helper():
 
 
 SAMPLES = {
-    "aten._fused_adam_.default": lambda: _adam("adam"),
-    "aten._fused_adam_.tensor_lr": lambda: _adam("adam", lr_tensor=True),
-    "aten._fused_adamw_.default": lambda: _adam("adamw"),
-    "aten._fused_adamw_.tensor_lr": lambda: _adam("adamw", lr_tensor=True),
+    "aten._fused_adam_.default": _adam,
+    "aten._fused_adam_.tensor_lr": lambda: _adam(lr_tensor=True),
+    "aten._fused_adamw_.default": _adam,
+    "aten._fused_adamw_.tensor_lr": lambda: _adam(lr_tensor=True),
     "aten._fused_sgd_.default": _sgd,
     "aten._fused_sgd_.tensor_lr": lambda: _sgd(lr_tensor=True),
     "aten._fused_adagrad_.default": _adagrad,

@@ -142,22 +142,3 @@ def test_an_optimizer_step_is_one_call_per_foreach_op(p1):
         opt.step()
     assert seen.count("_foreach_lerp_") == 1 and seen.count("_foreach_addcdiv_") == 1
 
-
-def test_a_compiled_optimizer_step_records_one_task_per_group(p1):
-    """Three parameters of three layouts on 4 ranks: each foreach op of the captured AdamW step is one task."""
-    ws = [gt.distribute(torch.randn(8, 4, dtype=torch.float64), p1, S(0)).requires_grad_(),
-          gt.distribute(torch.randn(4, dtype=torch.float64), p1, B).requires_grad_(),
-          gt.distribute(torch.randn(4, 8, dtype=torch.float64), p1, S(1)).requires_grad_()]
-    opt = torch.optim.AdamW(ws, lr=0.1, foreach=True)
-
-    def step(x):
-        loss = ((x @ ws[0]) * ws[1]).sum() + ws[2].sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    g = gt.compile(step)
-    for _ in range(3):
-        g(gt.distribute(torch.randn(5, 8, dtype=torch.float64), p1, B))
-    lerps = [t for t in g.plan.tasks if "_foreach_lerp_" in t.name]
-    assert len(lerps) == 1, [t.name for t in lerps]

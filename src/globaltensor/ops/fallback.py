@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..boxing import Layout
 from ..comm import get_world
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, box, replicate
+from ..tensor import GlobalTensor, box, replicate, write_into
 from .op_record import record
 from .registry import find_rule
 from .viewwrite import fallback_view, propagate
@@ -98,10 +98,7 @@ def _write_back(func, args, kwargs, flat, gathered, first: int) -> None:
             if g is None:
                 continue
             if isinstance(v, GlobalTensor):
-                if any(g._pieces[r] is not v._pieces.get(r) for r in g._pieces):
-                    back = box(g, v._layout)
-                    for r, piece in v._pieces.items():
-                        piece.copy_(back._pieces[r])
+                write_into(v, g)
                 propagate(v)
             elif g._pieces[first] is not v:
                 v.copy_(g._pieces[first])

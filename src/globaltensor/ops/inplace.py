@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor import GlobalTensor, box, replicate
+from ..tensor import GlobalTensor, write_into
 from .op_record import record
 
 
@@ -63,9 +63,5 @@ def write_back(func, args, kwargs):
     """Run the functional op, then box its result into the written tensor's layout and copy it in."""
     target = written_objects(func, args, kwargs)[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-    result = _functional(func)(*args, **kwargs)
-    result = box(result if isinstance(result, GlobalTensor) else replicate(result, target.placement),
-                 target._layout)
-    for r, piece in target._pieces.items():
-        piece.copy_(result._pieces[r])
+    write_into(target, _functional(func)(*args, **kwargs))
     return target

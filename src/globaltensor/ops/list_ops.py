@@ -38,7 +38,7 @@ from ..boxing import Layout
 from ..comm import current as _current
 from ..comm import get_world
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, box, replicate, wrap_result
+from ..tensor import GlobalTensor, box, replicate, wrap_result, write_into
 from .boxed_copy import box_input
 from .args import get
 from .foreach import element_call
@@ -86,7 +86,7 @@ class ListRun:
                  solo: list, out_layouts: Optional[dict]):
         self.func, self.call, self.kind = func, func._op, kind
         self.slots, self.n = slots, n
-        self.targets = targets              # (slot index, element) -> Layout, or None: a plain tensor kept as is
+        # targets: (slot index, element) -> Layout, or None for a plain tensor kept as is
         self.checks = [(s, [(i, t) for (k, i), t in targets.items() if k == s and t is not None])
                        for s in range(len(slots))]
         self.checks = [(s, pairs) for s, pairs in self.checks if pairs]
@@ -228,20 +228,13 @@ class ListRun:
             with torch.no_grad():
                 found.copy_(next(iter(summed.values())).clamp_(max=1))
         if given is not None:
-            back = box(replicate(found, given.placement), given._layout)
-            with torch.no_grad():
-                for r, piece in given._pieces.items():
-                    piece.copy_(back._pieces[r])
+            write_into(given, found)
 
     def _write_back(self, args, kwargs, boxed) -> None:
         """Written elements boxed into a copy: the copy back into the caller's layout; copy-views
         into their bases."""
-        with torch.no_grad():
-            for orig, copy in boxed:
-                back = box(copy, orig._layout)
-                for r, piece in orig._pieces.items():
-                    if back._pieces[r] is not piece:
-                        piece.copy_(back._pieces[r])
+        for orig, copy in boxed:
+            write_into(orig, copy)
         for s in self.view_checked:
             given = self.slots[s].get(args, kwargs)
             if self.slots[s].all_global and not any(map(_VIEW_OF, given)):

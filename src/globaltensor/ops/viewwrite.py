@@ -17,20 +17,13 @@ Not covered: a write into the *base* after such a view was taken does not reach 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from torch.utils._pytree import tree_map
 
 from ..comm import get_world
 from ..sbp import broadcast
-from ..tensor import GlobalTensor, box
+from ..tensor import GlobalTensor, box, write_into
 from .args import get
 from .op_record import record
-
-
-def aliased_argument(func) -> Optional[int]:
-    """The schema position of the argument a view op's result aliases (None: not a view op)."""
-    return record(func).view_of
 
 
 def _argument(func, args, kwargs, i):
@@ -91,9 +84,7 @@ def propagate(view: GlobalTensor) -> None:
             target = func(*a, **kw)
             (target if j is None else target[j]).copy_(value._pieces[r])
             pieces[r] = piece
-        back = box(GlobalTensor(whole._layout, pieces), base._layout)
-        for r, piece in base._pieces.items():
-            piece.copy_(back._pieces[r])
+        write_into(base, GlobalTensor(whole._layout, pieces))
         view = base
 
 
@@ -136,7 +127,7 @@ def wrap(func, run, positions, targets, written):
     ``written``: positions among the tensor inputs of the tensors the op writes."""
     if written:
         return WriteRun(run, [positions[k] for k in written])
-    i = aliased_argument(func)
+    i = record(func).view_of
     if i is None or not targets:
         return run
     return _ViewRun(run, func, *_base_position(func, i, positions, targets))
@@ -154,7 +145,7 @@ def _base_position(func, i, positions, targets):
 
 def fallback_view(func, args, kwargs, out) -> None:
     """The fallback ran a view op on gathered copies: mark its result as a copy-view."""
-    i = aliased_argument(func)
+    i = record(func).view_of
     if i is None:
         return
     base = _argument(func, args, kwargs, i)
