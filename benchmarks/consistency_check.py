@@ -32,7 +32,7 @@ def _fns(gt, a, b, w):
 
 
 def _checked(fn):
-    from globaltensor.comm.consistency import CHECK
+    from globaltensor.observe.consistency import CHECK
 
     def run():
         CHECK.enabled = True
@@ -70,7 +70,7 @@ def _worker_sim(rank: int, world: int, quick: bool):
 
 def _worker_guard(rank: int, world: int, quick: bool):
     from globaltensor.comm.arrivals import ArrivalBoard
-    from globaltensor.comm.consistency import CHECK
+    from globaltensor.observe.consistency import CHECK
 
     class NoStore:
         def set(self, key, value):

@@ -8,26 +8,25 @@
 """
 from . import sbp
 from .boxing import Plan, Step
-from .comm import (CollectiveError, CommProfile, ConsistencyError, comm_profile, comm_stats, get_world, rank,
-                   set_log_level, set_timeout, simulate, world_size)
-from .comm.consistency import set_check
+from .comm import CollectiveError, ConsistencyError, comm_stats, get_world, rank, set_timeout, simulate, world_size
+from .observe import CommProfile, comm_profile, set_log_level
+from .observe.consistency import set_check
 from .placement import Placement, placement
-from .tensor import GlobalTensor, distribute, install_tensor_methods, to_global
-from .ops import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
-from .ops import rules as _rules  # noqa: F401  (registers the SBP rules)
-from .ops.list_ops import install_foreach_support
-from .ops.registry import register_rule
-from .ops.factories import arange, empty, full, manual_seed, ones, rand, randn, zeros
+from .from_local import distribute, install_tensor_methods, to_global
+from .tensor import GlobalTensor
+from .ops import arange, empty, full, manual_seed, ones, rand, randn, register_rule, zeros
+from .ops.executor.lists import install_foreach_support
 from .inspect import boxing_plan
-from .calibration import calibrate
 from .viz import render_sharding, visualize
 from . import nn
+from .nn.auto import calibrate
 from .actor_rt import CaptureError, CompileError, CompiledFunction, GraphError, compile
-from .interop import from_dtensor, install_to_dtensor, to_dtensor
+from .interop import from_dtensor, install_dcp_protocol, install_to_dtensor, to_dtensor
 
 install_tensor_methods()
 install_foreach_support()
 install_to_dtensor()
+install_dcp_protocol()
 
 __version__ = "0.1.0"
 

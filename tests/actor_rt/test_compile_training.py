@@ -252,7 +252,7 @@ def test_bucketed_gradients_left_in_place_equal_eager(p1):
 
 def test_a_compiled_optimizer_step_records_one_task_per_group(p1):
     """Three parameters of three layouts on 4 ranks: each foreach op of the captured AdamW step is one
-    task (ops/list_ops.py: one local call per group of elements), not one per parameter."""
+    task (ops/executor/lists.py: one local call per group of elements), not one per parameter."""
     ws = [gt.distribute(torch.randn(8, 4), p1, S(0)).requires_grad_(), gt.distribute(torch.randn(4), p1, B).requires_grad_(),
           gt.distribute(torch.randn(4, 8), p1, S(1)).requires_grad_()]
     loss = lambda x: ((x @ ws[0]) * ws[1]).sum() + ws[2].sum()        # noqa: E731

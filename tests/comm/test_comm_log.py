@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import globaltensor as gt
-from globaltensor.comm import profile_context, profile_log
+from globaltensor.observe import context as profile_context, log as profile_log
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 

@@ -12,7 +12,8 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 import globaltensor as gt
 from globaltensor.boxing import plan_boxing
-from globaltensor.comm import profile_context, stats
+from globaltensor.comm import stats
+from globaltensor.observe import context as profile_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import globaltensor as gt
-from globaltensor.comm.consistency import CHECK
+from globaltensor.observe.consistency import CHECK
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 

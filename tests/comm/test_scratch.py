@@ -1,15 +1,15 @@
-"""ProcessWorld's scratch buffers for collective temporaries (comm/process.py ``_Scratch``)."""
+"""ProcessWorld's scratch buffers for collective temporaries (comm/buffers.py ``Scratch``)."""
 import threading
 
 import torch
 
-from globaltensor.comm.process import _Scratch
+from globaltensor.comm.buffers import Scratch
 
 CPU = torch.device("cpu")
 
 
 def test_a_buffer_given_back_is_taken_again_and_grows_when_too_small():
-    s = _Scratch()
+    s = Scratch()
     a = s.take(100, torch.float32, CPU)
     assert a.numel() >= 100 and a.dtype == torch.float32
     s.give(a)
@@ -21,7 +21,7 @@ def test_a_buffer_given_back_is_taken_again_and_grows_when_too_small():
 
 
 def test_buffers_taken_together_are_distinct():
-    s = _Scratch()
+    s = Scratch()
     a = s.take(10, torch.float32, CPU)
     s.give(a)
     b, c = s.take(10, torch.float32, CPU), s.take(10, torch.float32, CPU)
@@ -29,21 +29,21 @@ def test_buffers_taken_together_are_distinct():
 
 
 def test_how_much_is_kept_is_bounded():
-    s = _Scratch()
+    s = Scratch()
     bufs = [s.take(10, torch.float32, CPU) for _ in range(s.KEEP + 2)]
     for b in bufs:
         s.give(b)
     again = [s.take(10, torch.float32, CPU) for _ in range(s.KEEP + 2)]
     assert sum(any(x is y for y in bufs) for x in again) == s.KEEP
     big = torch.empty(s.MAX_BYTES // 4 + 1, dtype=torch.float32)
-    s2 = _Scratch()
+    s2 = Scratch()
     s2.give(big)
     assert s2.take(1, torch.float32, CPU) is not big
 
 
 def test_threads_never_hold_one_buffer_at_once():
     """Each thread fills the buffer it took with its own number and reads it back before giving it."""
-    s = _Scratch()
+    s = Scratch()
     clashes = []
 
     def work(mark):

@@ -1,4 +1,4 @@
-"""The ops that write arguments they do not return (ops/written_args.py), on random layouts beside one device.
+"""The ops that write arguments they do not return (ops/schema/written_args.py), on random layouts beside one device.
 
 Each op's sample runs with every tensor argument of one or more dims laid out by each recipe of
 opinfo_run (split, broadcast, partial, nd; 0-dim tensors -- step counts, ``found_inf``, a tensor
@@ -20,7 +20,7 @@ pytest.importorskip("expecttest", reason="opinfo_run imports torch's OpInfo data
 
 import globaltensor as gt  # noqa: E402
 import opinfo_run as run  # noqa: E402
-from globaltensor.ops import written_args  # noqa: E402
+from globaltensor.ops.schema import written_args  # noqa: E402
 
 aten = torch.ops.aten
 

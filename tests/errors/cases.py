@@ -42,7 +42,8 @@ def _fused_step(params):
 @contextlib.contextmanager
 def _unlisted(op_name: str):
     """``op_name`` taken off the list of ops whose unreturned writes are kept: a newer torch's op."""
-    from globaltensor.ops import dispatch, written_args
+    from globaltensor.ops import dispatch
+    from globaltensor.ops.schema import written_args
     listed = written_args.HANDLED.pop(op_name)
     dispatch._CACHE.clear()
     try:

@@ -110,8 +110,9 @@ def test_op_raising_on_every_rank_is_a_graph_error_on_every_rank(launch):
     # then the op fails again and the GraphError is left uncaught: the job fails, naming the op
     assert job.returncode == 1, "expected exit code 1\n" + job.describe()
     assert re.search(r"globaltensor\.launch: rank \d exited with code 1", job.stderr), job.describe()
-    assert re.search(rf"GraphError: globaltensor: task \S+ \(op {re.escape(OP)}\.default, rank \d\) raised in the "
-                     rf"compiled graph: InjectedFailure", job.stderr), job.describe()
+    # the op's label, then the SBP signature its decision chose
+    assert re.search(rf"GraphError: globaltensor: task \S+ \(op {re.escape(OP)}\.default \(S\(0\)\) -> S\(0\), rank \d\) "
+                     rf"raised in the compiled graph: InjectedFailure", job.stderr), job.describe()
     assert "not_reached" not in job.stdout, job.describe()
 
 

@@ -104,7 +104,7 @@ def test_2x2_is_no_dearer_than_the_demos_hybrid_plan(p2):
 def _measured_peak(model, placement, plan, args) -> int:
     """The most bytes any rank holds during a real step of the plan: its parameters' pieces, plus the
     peak of every global tensor the step makes (activations, gradients, the optimizer's state)."""
-    from globaltensor.nn.auto_cost import LiveBytes
+    from globaltensor.nn.auto.cost import LiveBytes
     m = copy.deepcopy(model)
     gnn.distribute_module(m, placement, plan)
     opt = plan.optimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -186,7 +186,7 @@ def test_a_compiled_step_of_an_auto_planned_model_equals_eager(p1):
 
 
 def test_calibration_is_measured_and_used(world4, monkeypatch):
-    import globaltensor.calibration as calibration
+    import globaltensor.nn.auto.calibration as calibration
     monkeypatch.setattr(calibration, "_CACHE", {})       # the other tests plan with the default model
     cal = gt.calibrate(small=4096, large=65536, repeats=2)
     assert set(cal.links) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}

@@ -143,7 +143,7 @@ class _Embedded(torch.nn.Module):
 
 def test_embedding_gradients_join_the_buckets(p1):
     """The position table's gradient is ``embedding_dense_backward`` of a partial gradient with a
-    broadcast integer index: it stays partial and joins the bucket (ops/signature_cost.py), rather
+    broadcast integer index: it stays partial and joins the bucket (ops/decide/cost.py), rather
     than being all-reduced on its own inside the backward; the values are those reduced one by one."""
     idx = gt.distribute(torch.randint(0, 10, (8, 5), generator=torch.Generator().manual_seed(1)), p1, S(0))
     grads = {}

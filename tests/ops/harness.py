@@ -17,7 +17,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
-from globaltensor.ops.dispatch import _decide, blocked_variants
+from globaltensor.ops import decide as stages
+from globaltensor.ops.decide import blocked_variants
+from globaltensor.ops.executor import runner
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import all_broadcast, as_signature, blocks_problem, broadcast, nd_candidates, partial_sum, split
 from fallback_guard import no_fallback  # noqa: F401  (re-exported for the tests)
@@ -128,7 +130,7 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
                     flat[i] = make_global(flat[i], p, c.inputs[k], rng)
                 a, kw = tree_unflatten(flat, spec)
                 what = f"{op} on {name} with candidate {c.inputs} -> {c.outputs}"
-                run = _decide(op, a, kw, only=c)
+                run = forced_run(op, a, kw, c)
                 if run is None:
                     assert shape_checked, f"{what}: the dispatcher did not admit it"
                     continue  # its pieces do not line up on this shape: rightly not used
@@ -138,6 +140,18 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
                 assert outs == list(c.outputs), f"{what}: outputs came as {outs}"
                 ran += 1
     return ran
+
+
+def forced_run(op, args, kwargs, signature):
+    """The runner of ``op`` on these arguments with ``signature`` chosen, through the dispatcher's
+    public stages (route, candidates, then the decision on pieces); None where the candidates stage
+    does not admit it."""
+    r = stages.route(op, args, kwargs)
+    assert r.kind == "rule", f"{op} takes the {r.kind} route here, not its rule"
+    problem = stages.candidates(r, op, args, kwargs, torch.is_grad_enabled())
+    if signature not in problem.candidates:
+        return None
+    return runner(stages.on_pieces(r, problem, signature))
 
 
 def random_nd_sbp(t: torch.Tensor, placement, rng: random.Random, partial=True) -> tuple:

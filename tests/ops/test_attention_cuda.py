@@ -105,7 +105,7 @@ def test_a_batch_split_bias_is_split_with_the_batch(p1):
 
 def test_partial_output_gradient_gives_partial_gradients(p1):
     """The gradients are linear in ``grad_out``: ``(P, B, ...) -> (P, P, P)`` is a candidate, and runs."""
-    from globaltensor.ops.dispatch import _decide
+    from harness import forced_run
     from globaltensor.sbp.signature import NdSignature
     op = aten._scaled_dot_product_flash_attention_backward.default
     q, k, v = (meta_global(p1, (4, 4, 16, 32), B) for _ in range(3))
@@ -113,7 +113,7 @@ def test_partial_output_gradient_gives_partial_gradients(p1):
     grad = meta_global(p1, (4, 4, 16, 32), P)
     args = (grad, q, k, v, out[0], out[1], out[2], out[3], out[4], out[5], 0.0, False, out[6], out[7])
     linear = NdSignature(((P,),) + ((B,),) * 7, ((P,),) * 3)
-    run = _decide(op, args, {}, only=linear)
+    run = forced_run(op, args, {}, linear)
     assert run is not None
     with gt.comm_stats() as st:
         grads = run(args, {})

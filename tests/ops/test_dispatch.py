@@ -103,13 +103,13 @@ def test_plain_tensors_and_scalars_are_broadcast():
 
 def test_repeated_op_reuses_its_decision(monkeypatch):
     calls = []
-    decide = dispatch._decide
+    decide = dispatch.decide
 
     def counting(func, args, kwargs, **options):
         calls.append(func)
         return decide(func, args, kwargs, **options)
 
-    monkeypatch.setattr(dispatch, "_decide", counting)
+    monkeypatch.setattr(dispatch, "decide", counting)
     with gt.simulate(4):
         x, w = lay(torch.randn(12, 5), S(0)), lay(torch.randn(5, 7), B)
         y1 = torch.mm(x, w)
@@ -141,7 +141,7 @@ def test_repeated_op_reuses_its_decision(monkeypatch):
     (B, B, B, 0),
 ])
 def test_mm_chooses_the_least_boxing(xs, ws, out, moved):
-    """Boxing now plus what the outputs owe later (ops/signature_cost.py) is least."""
+    """Boxing now plus what the outputs owe later (ops/decide/cost.py) is least."""
     with gt.simulate(4):
         x, w = lay(XM, xs, seed=1), lay(WM, ws, seed=2)
         with gt.comm_stats() as stats:

@@ -1,4 +1,4 @@
-"""In-place ops that change metadata (ops/inplace_view.py): ``transpose_``, ``t_``, ``swapdims_``,
+"""In-place ops that change metadata (ops/writes/inplace_view.py): ``transpose_``, ``t_``, ``swapdims_``,
 ``squeeze_``, ``unsqueeze_``, ``as_strided_`` change the tensor itself -- its wrapper's sizes
 and strides, its layout by the out-of-place op's rule, its pieces -- and autograd, copy-views
 and the RNN modules (which call ``transpose_``) work through them."""

@@ -1,4 +1,4 @@
-"""List ops on global tensors (ops/list_ops.py): ``_foreach_*`` as one local call per group of elements,
+"""List ops on global tensors (ops/decide/lists.py, ops/executor/lists.py): ``_foreach_*`` as one local call per group of elements,
 each element laid out by its per-tensor op's signature, written elements kept in their layouts.
 
 Values are float64 and exact: a foreach op is elementwise, so each piece's result is the whole

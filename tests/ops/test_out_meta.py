@@ -1,11 +1,11 @@
-"""Output meta (ops/out_meta.py): the pointwise shortcut gives the shape and dtype torch's
+"""Output meta (ops/schema/out_meta.py): the pointwise shortcut gives the shape and dtype torch's
 meta path gives, for every functional pointwise op of one or two tensors, across dtypes
 (type promotion, 0-dim operands) and broadcast shapes."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from globaltensor.ops.out_meta import _takes_shortcut, output_meta
+from globaltensor.ops.schema.out_meta import _takes_shortcut, output_meta
 from globaltensor.sbp import broadcast_shape
 
 aten = torch.ops.aten

@@ -149,7 +149,7 @@ def test_linear_ops_keep_partial_without_communication(name, fn):
 def test_a_partial_meeting_a_broadcast_tensor_is_reduced_once_first(name, fn):
     """Linear in the partial input, but keeping P would only move the reduction on (an output
     of the same size): the partial input is all-reduced once, and -- with grad mode off, as in
-    the backward pass -- a second such op reads the kept reduced copy (ops/signature_cost.py,
+    the backward pass -- a second such op reads the kept reduced copy (ops/decide/cost.py,
     ops/boxed_copy.py)."""
     with gt.simulate(4):
         a, b = lay(X, P, seed=1), lay(Y, B)

@@ -1,4 +1,4 @@
-"""Arguments an op writes are kept, whatever path it takes (ops/op_record.py, ops/written_args.py).
+"""Arguments an op writes are kept, whatever path it takes (ops/schema/op_record.py, ops/schema/written_args.py).
 
 The schema scan walks every aten op of the installed torch: an op writing an argument it does not
 return must be listed with the path that keeps the write, so a newer torch with a new such op
@@ -14,9 +14,9 @@ import torch
 from torch._decomp import decomposition_table
 
 import globaltensor as gt
-from globaltensor.ops import written_args
-from globaltensor.ops.list_ops import list_kind
-from globaltensor.ops.op_record import record
+from globaltensor.ops.schema import written_args
+from globaltensor.ops.decide import list_kind
+from globaltensor.ops.schema.op_record import record
 from globaltensor.ops.registry import find_rule
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
@@ -45,7 +45,7 @@ def test_every_op_writing_an_argument_it_does_not_return_is_listed():
     assert len(UNRETURNED) > 100, f"only {len(UNRETURNED)} such ops found: is the scan broken?"
     missing = unlisted(written_args.HANDLED)
     assert not missing, ("ops that write arguments they do not return, with no path listed in "
-                         f"globaltensor/ops/written_args.py (a newer torch?): {missing}")
+                         f"globaltensor/ops/schema/written_args.py (a newer torch?): {missing}")
 
 
 @pytest.mark.parametrize("name", ["aten._fused_adamw_.default", "aten._amp_foreach_non_finite_check_and_unscale_."

@@ -26,10 +26,13 @@ from torch.utils._pytree import tree_flatten
 from ..comm import get_world
 from ..comm import stats
 from ..comm.world import observe_collectives
+from ..observe.text import signature_text
 from ..ops import rng
-from ..ops.op_record import record
-from ..tensor import GlobalTensor, observe_creation, reading_meta
-from ..torch_ops import aten
+from ..ops.dispatch import decision_for
+from ..ops.schema.op_record import record
+from ..from_local import reading_meta
+from ..tensor import GlobalTensor, observe_creation
+from ..compat.torch_ops import aten
 from .graph import Captured, Node, Output, Ref, StorageRef, Value
 
 _HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default, aten.item.default}
@@ -207,8 +210,13 @@ class Tracer(TorchDispatchMode):
     def _label(self, fallback: str) -> str:
         if not self.labels:
             return fallback
-        name = str(self.labels[0]).replace("aten.", "")
+        name = str(self.labels[0].func).replace("aten.", "")
         return name + " (backward)" if self.backward else name
+
+    def _signature(self) -> str:
+        """The signature the outermost global op being recorded chose (its Decision's), or ""."""
+        chosen = self.labels[0].signature if self.labels else None
+        return signature_text(chosen) if chosen is not None else ""
 
     def _save_before_write(self, tensors) -> None:
         for t in tensors:
@@ -232,7 +240,7 @@ class Tracer(TorchDispatchMode):
 
     def _global_op(self, func, types, args, kwargs):
         self._see_all((args, kwargs))
-        self.labels.append(func)
+        self.labels.append(decision_for(func, args, kwargs))
         try:
             with self:
                 out = GlobalTensor.__torch_dispatch__(func, types, args, kwargs)
@@ -269,7 +277,8 @@ class Tracer(TorchDispatchMode):
         self._phase()
         rank = next((self.values[v].rank for v in inputs if self.values[v].rank is not None), None)
         node = Node(len(self.nodes), "op", func, _template((args, kwargs), self._ref, storages), [], slots,
-                    self._label(str(func).replace("aten.", "")), rank=rank, segment=self.segment,
+                    self._label(str(func).replace("aten.", "")), rank=rank, signature=self._signature(),
+                    segment=self.segment,
                     backward=self.backward, inputs=tuple(inputs),
                     reads=tuple({self.values[v].storage for v in inputs} - {None}),
                     writes=tuple({storage_key(t) for t in written} - {None}))
@@ -311,7 +320,7 @@ class Tracer(TorchDispatchMode):
                        | set(ranks_out.values()))
         node = Node(len(self.nodes), "collective", name,
                     ([Ref(self.vid_of[id(x)]) if isinstance(x, torch.Tensor) else x for x in leaves], spec),
-                    [], out_spec, self._label(name), rank=ranks[0] if ranks else None,
+                    [], out_spec, self._label(name), rank=ranks[0] if ranks else None, signature=self._signature(),
                     ranks=tuple(ranks), segment=self.segment, backward=self.backward, inputs=tuple(inputs),
                     reads=tuple({self.values[v].storage for v in inputs} - {None}), stream="collective",
                     writes=tuple({self.values[v].storage for v in inputs} - {None}) if name in _IN_PLACE else ())

@@ -21,9 +21,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..boxing import Layout
 from ..comm import get_world
-from ..comm.profile_context import run_labelled
+from ..observe.context import run_labelled
 from ..nn.grad_buckets import GradBuckets
 from ..ops import rng
+from ..ops.schema.args import SCALARS
 from ..tensor import GlobalTensor
 from .capture import capture
 from .inspect import PlanView, chrome_trace, dot
@@ -31,7 +32,6 @@ from .lower import Program, lower
 from .optim import capturable_optimizers, hyper_parameters
 from .runtime import Runtime
 
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
 def _meta(leaf):
@@ -39,7 +39,7 @@ def _meta(leaf):
         return (leaf._layout, leaf.requires_grad)
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
-    if type(leaf) in _SCALARS:
+    if type(leaf) in SCALARS:
         return (type(leaf), leaf)
     try:
         hash(leaf)

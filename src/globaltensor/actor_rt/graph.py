@@ -50,6 +50,7 @@ class Node:
     out_slots: Any                 # "op": None for one tensor, else the positions of the tensors in the result
     label: str                     # the global op (or boxing) this piece op belongs to
     rank: Optional[int] = None
+    signature: str = ""            # the SBP signature that global op's Decision chose ("" for none)
     ranks: Tuple[int, ...] = ()    # "collective": the ranks of this process taking part
     segment: int = 0               # forward / backward alternations before this node
     backward: bool = False

@@ -48,7 +48,8 @@ def dot(program: Program) -> str:
         lines.append(f'    label="rank {rank}";')
         for t in tasks:
             colour = _COLOURS.get(t.stream.rsplit(":", 1)[-1], "white")
-            label = t.name.replace('"', "'") + f"\\n{t.stream} x{t.registers}"
+            signature = f"\\n{t.node.signature}" if t.node is not None and t.node.signature else ""
+            label = t.name.replace('"', "'") + signature + f"\\n{t.stream} x{t.registers}"
             lines.append(f'    t{t.id} [label="{label}", fillcolor={colour}];')
         lines.append("  }")
     for t in program.tasks:

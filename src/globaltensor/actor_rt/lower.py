@@ -28,9 +28,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
+import torch
 from torch.utils._pytree import tree_unflatten
 
-from ..ops.op_record import record
+from ..ops.schema.op_record import record
 from .graph import Captured, Node
 
 
@@ -381,7 +382,7 @@ def _views_feeding_collectives(tasks: List[TaskSpec], order: List[int], preds: D
 
 def _is_view(node) -> bool:
     """Whether ``node`` is an op whose results are views of its inputs (no data is computed)."""
-    if node is None or node.kind == "collective" or not hasattr(node.target, "_schema"):
+    if node is None or node.kind == "collective" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     return record(node.target).is_view
 

@@ -22,12 +22,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
-_SCALARS = (int, float, bool, str, type(None))
+from ..ops.schema.args import SCALARS
+
 
 
 def hyper_parameters(optimizers: List[torch.optim.Optimizer]) -> tuple:
     """The plain-number settings of every group, to tell whether they changed since a capture."""
-    return tuple(tuple(sorted((k, v if type(v) in _SCALARS else tuple(v) if isinstance(v, tuple) else None)
+    return tuple(tuple(sorted((k, v if type(v) in SCALARS else tuple(v) if isinstance(v, tuple) else None)
                               for k, v in group.items() if k != "params"))
                  for opt in optimizers for group in opt.param_groups)
 

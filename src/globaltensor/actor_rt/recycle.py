@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..storage import alone_on_storage
-from ..torch_ops import aten
+from ..compat.storage import alone_on_storage
+from ..compat.torch_ops import aten
 
 EMPTY_LIKE_OPS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
                             aten.new_empty_strided.default})

@@ -590,6 +590,9 @@ def _stop_all() -> None:
 
 
 def _failure_text(e: BaseException, t) -> str:
-    where = f"task {t.name} (op {t.spec.node.label if t.spec.node is not None else 'mean over micro-batches'}, " \
-            f"rank {t.spec.rank})" if t is not None else "a task"
+    where = "a task"
+    if t is not None:
+        node = t.spec.node
+        op = "mean over micro-batches" if node is None else " ".join(filter(None, (node.label, node.signature)))
+        where = f"task {t.name} (op {op}, rank {t.spec.rank})"
     return f"globaltensor: {where} raised in the compiled graph: {type(e).__name__}: {e}"

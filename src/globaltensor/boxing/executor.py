@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import profile_context as attribution
-from ..comm.consistency import CHECK as _check, confirm_boxing
+from ..observe import context as attribution
+from ..observe.consistency import CHECK as _check, confirm_boxing
 from ..comm.world import World, narrowed, tile_places
 from .layout import intersect, relative, take
 from .plan import Plan, Step

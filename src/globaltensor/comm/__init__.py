@@ -1,13 +1,8 @@
 """Worlds: simulated ranks in one process or one rank per process, behind one collective interface."""
 from .current import get_world, rank, set_timeout, set_world, simulate, world_size
 from .errors import CollectiveError, ConsistencyError, collective_call
-from .profile import CommEvent, CommProfile, Conversion, comm_profile
-from .profile_log import configure_from_environment, set_log_level
 from .stats import CommStats, comm_stats
 from .world import Transfer, World
 
 __all__ = ["World", "Transfer", "get_world", "set_world", "simulate", "rank", "world_size", "comm_stats", "CommStats",
-           "comm_profile", "CommProfile", "CommEvent", "Conversion", "set_log_level",
            "set_timeout", "CollectiveError", "ConsistencyError", "collective_call"]
-
-configure_from_environment()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..sbp.shape import numel
 from .arrivals import ArrivalBoard, describe_missing
+from .buffers import own_block_out, pack, scratch
 from .errors import CollectiveError, calling_hint
 from .timeouts import collective_timeout
 from .world import Started, World, tile_places
@@ -262,14 +263,14 @@ class ProcessWorld(World):
         if own_here:
             parts[i_me] = x.new_empty(0)
             received[i_me] = (0,)
-        recv = _scratch.take(numel(shape) * (len(group) - int(own_here)), x.dtype, x.device)
+        recv = scratch.take(numel(shape) * (len(group) - int(own_here)), x.dtype, x.device)
         got = self._exchange(group, parts, received, x.dtype, recv)
         if own_here:
             got[i_me] = x.narrow(dim, sum(sizes[:i_me]), sizes[i_me])
         out = torch.add(got[0], got[1]) if len(got) > 1 else got[0].clone()  # one pass, no clone
         for t in got[2:]:
             out.add_(t)
-        _scratch.give(recv)
+        scratch.give(recv)
         return {me: out}
 
     def _all_reduce(self, group, pieces):
@@ -346,19 +347,19 @@ class ProcessWorld(World):
         received = [shapes[j][i_me] for j in range(len(group))]
         _, order = self._pg(group)
         ranked = sorted(range(len(group)), key=order.__getitem__)
-        own_out, direct = _own_block_out([mine[j] for j in ranked], [dest[j] for j in ranked],
+        own_out, direct = own_block_out([mine[j] for j in ranked], [dest[j] for j in ranked],
                                          [numel(received[j]) for j in ranked], ranked.index(i_me))
         send = list(mine)
         if own_out:
             send[i_me], received[i_me] = mine[i_me].new_empty(0), (0,)
-        recv = direct if direct is not None else _scratch.take(sum(numel(r) for r in received), dtype, device)
+        recv = direct if direct is not None else scratch.take(sum(numel(r) for r in received), dtype, device)
         own = (lambda: dest[i_me].copy_(mine[i_me])) if own_out and mine[i_me].numel() else None
         got = self._exchange(group, send, received, dtype, recv, meanwhile=own)
         if direct is None:
             for place, part in zip(dest, got):
                 if place is not None and part.numel():
                     place.copy_(part)
-            _scratch.give(recv)
+            scratch.give(recv)
         return {me: out}
 
     def _exchange(self, group, mine, received, dtype, recv, meanwhile=None) -> list:
@@ -367,13 +368,13 @@ class ProcessWorld(World):
 
         One flat buffer each way, in group-rank order: gloo's list all_to_all needs every
         tensor to have the same shape, its all_to_all_single takes uneven split sizes. Chunks
-        that need packing are packed into a scratch send buffer (see _pack). ``meanwhile``
+        that need packing are packed into a scratch send buffer (see buffers.pack). ``meanwhile``
         (local work that touches no buffer of the exchange) runs while the exchange is in flight.
         """
         pg, order = self._pg(group)
         by_group_rank = sorted(range(len(group)), key=order.__getitem__)
         send_sizes = [mine[j].numel() for j in by_group_rank]
-        send, scratch = _pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, recv.device)
+        send, packed = pack([mine[j] for j in by_group_rank], sum(send_sizes), dtype, recv.device)
         recv_sizes = [numel(received[j]) for j in by_group_rank]
         flat = recv[:sum(recv_sizes)]
 
@@ -384,8 +385,8 @@ class ProcessWorld(World):
                 meanwhile()
                 work.wait()
         self._run("all_to_all", group, exchange)
-        if scratch is not None:
-            _scratch.give(scratch)
+        if packed is not None:
+            scratch.give(packed)
         parts = dict(zip(by_group_rank, torch.split(flat, recv_sizes)))
         return [parts[j].view(received[j]) for j in range(len(group))]
 
@@ -417,106 +418,3 @@ class ProcessWorld(World):
         if me in peers:    # every peer counts the exchange, those with nothing to send or receive too
             self._run("send_recv", peers, lambda: [w.wait() for w in dist.batch_isend_irecv(ops)] if ops else None)
         return out
-
-
-def _own_block_out(blocks: list, places: list, sizes: list, at: int) -> tuple:
-    """Whether this rank's own block (``blocks[at]``, to ``places[at]``; all in group-rank order,
-    ``sizes`` the numels received) should stay out of the exchange, and the run of places the
-    exchange can then receive straight into (None: through a scratch buffer).
-
-    Counted in elements copied besides the exchange -- packing what is sent, unpacking what is
-    received; the own block is copied once either way, by gloo to itself or by this rank to its
-    place -- leaving a middle block out can cost more: it breaks a run."""
-    sent, total = sum(b.numel() for b in blocks), sum(sizes)
-    cost, runs = {}, {}
-    for out in (False, True):
-        keep = [k for k in range(len(blocks)) if not (out and k == at)]
-        send = _flat_run([blocks[k] for k in keep])
-        runs[out] = _flat_run([places[k] for k in keep], [sizes[k] for k in keep])
-        own = sizes[at] if out else 0
-        cost[out] = (0 if send is not None else sent - own) + (0 if runs[out] is not None else total - own)
-    out = len(blocks) > 1 and cost[True] <= cost[False]
-    return out, runs[out]
-
-
-def _flat_run(tensors, sizes=None):
-    """The non-empty ``tensors`` (``sizes``: their numels) as one flat view, when they are
-    contiguous views of one base lying back to back, in order; else None."""
-    sizes = [t.numel() for t in tensors] if sizes is None else sizes
-    first = base = None
-    ptr = total = 0
-    for t, n in zip(tensors, sizes):
-        if not n:
-            continue
-        if first is None:
-            first, base, ptr = t, t._base, t.data_ptr()
-        elif base is None or t._base is not base or t.data_ptr() != ptr:
-            return None
-        if not t.is_contiguous():
-            return None
-        ptr += n * t.element_size()
-        total += n
-    if first is None:
-        return None
-    return first.as_strided((total,), (1,), first.storage_offset())
-
-
-def _pack(chunks, total: int, dtype, device) -> tuple:
-    """The chunks as one flat send buffer, in order, with at most one copy of each; and the
-    scratch buffer it lies in, to give back once sent (None when there is none).
-
-    Chunks that are consecutive contiguous views of one storage (the parts of a dim-0 split)
-    are sent as they lie, without a copy; others (column blocks) are copied once straight
-    into a scratch buffer (``reshape(-1)`` then ``cat`` would copy them twice).
-    """
-    flat = _flat_run(chunks)
-    if flat is not None:
-        return flat, None
-    scratch = _scratch.take(total, dtype, device)
-    send = scratch[:total]
-    offset = 0
-    for c in chunks:
-        n = c.numel()
-        if n:
-            send[offset:offset + n].view(c.shape).copy_(c)
-        offset += n
-    return send, scratch
-
-
-class _Scratch:
-    """Flat buffers kept for a collective's temporaries on cpu: the send buffer chunks are packed
-    into, the receive buffer of parts summed into the result. Each is done with when its
-    collective returns; allocated afresh, a multi-megabyte buffer freed at once makes glibc hand
-    its pages back and fault them in again on the next call (measured: a 2 MB all-to-all paid
-    ~160 page faults and ~40% of its time for it). cuda tensors come from torch's caching
-    allocator, which already reuses memory. Thread-safe: ``list.pop`` and ``append`` are atomic,
-    so two threads never hold one buffer (a compiled graph's streams run collectives on theirs).
-    At most ``KEEP`` buffers of up to ``MAX_BYTES`` each are kept per dtype.
-    """
-    KEEP = 2
-    MAX_BYTES = 64 << 20
-
-    def __init__(self):
-        self._free = {}
-
-    def take(self, n: int, dtype, device) -> torch.Tensor:
-        """A flat buffer of at least ``n`` elements (its first ``n`` are the ones to use)."""
-        if device.type != "cpu":
-            return torch.empty(n, dtype=dtype, device=device)
-        try:
-            buf = self._free.get(dtype, []).pop()
-        except IndexError:
-            buf = None
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(n, dtype=dtype)
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        """``buf`` (from ``take``) is free again."""
-        if buf.device.type == "cpu" and buf.numel() * buf.element_size() <= self.MAX_BYTES:
-            free = self._free.setdefault(buf.dtype, [])
-            if len(free) < self.KEEP:
-                free.append(buf)
-
-
-_scratch = _Scratch()

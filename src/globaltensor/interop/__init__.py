@@ -1,12 +1,13 @@
-"""Bridges to other PyTorch distributed libraries (above the tensor layer): DTensor both ways.
+"""Bridges to other PyTorch distributed libraries (above the tensor layer): DTensor both ways, and
+``torch.distributed.checkpoint``'s protocol on global tensors (dcp.py).
 
     d = x.to_dtensor()            # placement -> DeviceMesh, S/B/P -> Shard/Replicate/Partial
     y = gt.from_dtensor(d)
 
-``torch.distributed.tensor`` takes a second or more to import, so dtensor.py is imported on
-first use, not with globaltensor.
+``torch.distributed.tensor`` takes a second or more to import, so dtensor.py (and dcp.py) is
+imported on first use, not with globaltensor.
 """
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, box
 
 
 def to_dtensor(x, mesh=None):
@@ -37,4 +38,24 @@ def install_to_dtensor() -> None:
     GlobalTensor.to_dtensor = method
 
 
-__all__ = ["to_dtensor", "from_dtensor", "install_to_dtensor"]
+def install_dcp_protocol() -> None:
+    """The methods ``torch.distributed.checkpoint`` calls on a tensor subclass: each rank writes its
+    pieces with their offsets, and loading reads the chunks of its own pieces (dcp.py)."""
+    def create_write_items(self, fqn: str, object) -> list:
+        from .dcp import create_write_items as create
+        return create(self, fqn, box)
+
+    def create_chunk_list(self) -> list:
+        from .dcp import create_chunk_list as create
+        return create(self)
+
+    def get_tensor_shard(self, index):
+        from .dcp import get_tensor_shard as get
+        return get(self, index)
+
+    GlobalTensor.__create_write_items__ = create_write_items
+    GlobalTensor.__create_chunk_list__ = create_chunk_list
+    GlobalTensor.__get_tensor_shard__ = get_tensor_shard
+
+
+__all__ = ["to_dtensor", "from_dtensor", "install_to_dtensor", "install_dcp_protocol"]

@@ -23,8 +23,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..comm import get_world
 from ..placement import Placement
-from ..sbp import broadcast, partial_sum, split
-from ..tensor import GlobalTensor, to_global
+from ..sbp import broadcast, contiguous_strides, partial_sum, split
+from ..from_local import to_global
+from ..tensor import GlobalTensor
 from .repartition import Repartition
 
 _meshes: dict = {}        # placement -> the DeviceMesh used for it (made here or met in from_dtensor)
@@ -93,14 +94,6 @@ def _check_default_shard_order(d: DTensor) -> None:
                          f"globaltensor cuts in mesh-dim order, {spec.compute_default_shard_order(spec.placements)}")
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def to_dtensor(x: GlobalTensor, mesh: Optional[DeviceMesh] = None) -> DTensor:
     """``x`` as a DTensor on its placement's DeviceMesh (or ``mesh``, which must have the same ranks),
     sharing each rank's piece where the two libraries cut it alike; collective, differentiable."""
@@ -124,7 +117,7 @@ def to_dtensor(x: GlobalTensor, mesh: Optional[DeviceMesh] = None) -> DTensor:
     shape = tuple(x.shape)
     local = Repartition.apply(x.to_local(), shape, placement, x.sbp, "balanced", "chunk")
     return DTensor.from_local(local, mesh, dtensor_placements(x.sbp), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_strides(shape))
+                              stride=contiguous_strides(shape))
 
 
 def from_dtensor(d: DTensor) -> GlobalTensor:

@@ -5,7 +5,7 @@
     with gt.nn.no_sync(model): loss.backward()          # accumulate; the next backward reduces
 """
 from .distribute import distribute_module, full_state_dict, match_plan
-from .auto_plan import AutoPlan, auto_plan
+from .auto.plan import AutoPlan, auto_plan
 from .grad_buckets import GradBuckets, bucket_gradients, no_sync
 from .plans import (COLUMN_PARALLEL, CONV1D_COLUMN_PARALLEL, CONV1D_FUSED_QKV_COLUMN_PARALLEL, CONV1D_ROW_PARALLEL,
                     REPLICATED, ROW_PARALLEL, column_parallel, gpt2_plan, layer_plan, llama_plan, megatron_plan, on_axis, row_parallel)

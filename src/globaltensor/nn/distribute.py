@@ -21,7 +21,8 @@ from torch import nn
 from ..placement import Placement
 from ..sbp import as_nd_sbp, broadcast
 from ..sbp.values import SbpValue
-from ..tensor import GlobalTensor, distribute
+from ..from_local import distribute
+from ..tensor import GlobalTensor
 from .grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucket_gradients
 
 PlanLike = Union[None, Mapping[str, object], Iterable[Tuple[str, object]]]

@@ -41,11 +41,11 @@ from torch import nn
 
 from ..boxing.layout import axis_groups
 from ..comm import get_world
-from ..comm.profile_context import labelled
+from ..observe.context import labelled
 from ..comm.stats import ring_bytes
 from ..comm.world import all_reduce_bytes, done, observed
 from ..sbp.shape import numel as numel_of
-from ..storage import alone_on_storage
+from ..compat.storage import alone_on_storage
 from ..tensor import GlobalTensor, box, gradient_layout
 
 _raw_grad = torch._C.TensorBase.grad

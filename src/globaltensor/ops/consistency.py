@@ -1,15 +1,15 @@
 """The consistency check before an op (gt.set_check): the op, its global inputs' layouts and pieces,
-its plain tensors and scalars, described for comm/consistency.py to compare across ranks."""
+its plain tensors and scalars, described for observe/consistency.py to compare across ranks."""
 from __future__ import annotations
 
 import torch
 
 from ..comm import get_world
-from ..comm.consistency import View, confirm, describe_global, describe_plain, describe_value
+from ..observe.consistency import View, confirm, describe_global, describe_plain, describe_value
 from ..tensor import GlobalTensor
-from .op_record import record
+from .schema.args import SCALARS
+from .schema.op_record import record
 
-_SCALARS = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def _describe(views, label: str, v, written: bool = False) -> None:
@@ -20,7 +20,7 @@ def _describe(views, label: str, v, written: bool = False) -> None:
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
             _describe(views, f"{label}[{i}]", x, written)
-    elif isinstance(v, _SCALARS):
+    elif isinstance(v, SCALARS):
         describe_value(views, label, v)
 
 
@@ -28,7 +28,7 @@ def confirm_op(func, args, kwargs) -> None:
     """Every rank is about to run ``func`` on the same layouts, plain tensors and scalars."""
     world = get_world()
     views = {r: View() for r in world.local_ranks}
-    names = [a.name for a in func._schema.arguments]
+    names = record(func).names
     # an argument the op writes may be a buffer it only fills (bernoulli_ on empty_like): its values
     # are not compared here, the next op that reads it compares them
     written = {a.name for a in record(func).written}

@@ -19,9 +19,9 @@ from ..boxing import Layout
 from ..comm import get_world
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, replicate, write_into
-from .op_record import record
+from .schema.op_record import record
 from .registry import find_rule
-from .viewwrite import fallback_view, propagate
+from .writes.viewwrite import fallback_view, propagate
 
 _warned: set = set()
 taken: Counter = Counter()
@@ -73,6 +73,8 @@ def run_fallback(func, flat, spec):
     reject_other_layouts(func, out_flat, "as its result")
     _warn_once(func)       # after the op ran: an op invalid for its shapes raises torch's error, unwarned
     args, kwargs = tree_unflatten(flat, spec)
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        _one_draw(func, args, kwargs, flat, gathered, per_rank, placement, world)
     _write_back(func, args, kwargs, flat, gathered, ranks[0])
     result = []
     for j, v in enumerate(out_flat):
@@ -86,6 +88,31 @@ def run_fallback(func, flat, spec):
     out = tree_unflatten(result, out_spec)
     fallback_view(func, args, kwargs, out)
     return out
+
+
+def _one_draw(func, args, kwargs, flat, gathered, per_rank: dict, placement, world) -> None:
+    """A random op ran on every replica, each drawing its own numbers: every rank takes the draws of
+    the placement's first rank -- its results and what it wrote -- by one broadcast of each, so the
+    replicas of the (broadcast) result are equal."""
+    group = tuple(placement.rank_list())
+    src = group[0]
+    copy_of = {id(v): g for v, g in zip(flat, gathered) if isinstance(g, GlobalTensor)}
+    written = [copy_of[id(v)] for v in record(func).written_tensors(args, kwargs) if id(v) in copy_of]
+    slots = [{r: out[0][j] for r, out in per_rank.items()} for j, v in enumerate(per_rank[next(iter(per_rank))][0])
+             if isinstance(v, torch.Tensor)]
+    slots += [dict(g._pieces) for g in written]
+    seen = set()
+    for pieces in slots:
+        first = next(iter(pieces.values()))
+        if id(first) in seen:                   # an output that is a written argument: drawn once
+            continue
+        seen.add(id(first))
+        drawn = world.broadcast(group, src, {src: pieces[src]} if src in pieces else {}, tuple(first.shape),
+                                first.dtype, placement.type)
+        with torch.no_grad():
+            for r, piece in pieces.items():
+                if r != src:
+                    piece.copy_(drawn[r])
 
 
 def _write_back(func, args, kwargs, flat, gathered, first: int) -> None:

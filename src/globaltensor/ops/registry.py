@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from ..sbp import as_signature
-from ..torch_ops import MissingOp, aten  # noqa: F401  (the rule modules take aten from here)
+from ..compat.torch_ops import MissingOp, aten  # noqa: F401  (the rule modules take aten from here)
 
 
 

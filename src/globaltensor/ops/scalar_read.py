@@ -8,7 +8,7 @@ so no SBP signature describes it; the dispatcher runs it here, without the fallb
 from __future__ import annotations
 
 from ..tensor import GlobalTensor
-from ..torch_ops import aten
+from ..compat.torch_ops import aten
 
 SCALAR_READS = frozenset({aten._local_scalar_dense.default})
 

@@ -113,6 +113,15 @@ def numel(shape) -> int:
     return n
 
 
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (a dim of size 0 counted as 1, as torch does)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(strides[::-1])
+
+
 def broadcast_shape(*shapes) -> tuple:
     """The shape ``shapes`` broadcast to, by torch's rules (sizes of 1 stretch, dims align on
     the right); a ValueError when two sizes clash. Plain Python: ``torch.broadcast_shapes``

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ...torch_ops import exists
+from ...compat.torch_ops import exists
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, sig, tensors_of
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ...boxing import Layout
-from ...sbp import broadcast, partial_sum
+from ...sbp import broadcast, numel, partial_sum
 from ...tensor import GlobalTensor, box
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
@@ -179,7 +179,7 @@ def _forward_kernel(func, args, kwargs, ins, outs, calls):
         whole = {n: _running_whole(local, layouts, x_layout, n) for n in running}
         return {r: _eval_pieces(func, a, *(whole[n][r] for n in running)) for r, a in local.items()}
     channels, eps, momentum = x_layout.shape[1], ga["eps"], ga["momentum"]
-    count = _numel(x_layout.shape) // max(channels, 1)
+    count = numel(x_layout.shape) // max(channels, 1)
     acc = {r: torch.float64 if a["input"].dtype == torch.float64 else torch.float32 for r, a in local.items()}
     sums = _all_reduce({r: a["input"].to(acc[r]).sum(_reduce_dims(a["input"]))[None] for r, a in local.items()},
                        x_layout, (1, channels))
@@ -209,13 +209,6 @@ def _forward_kernel(func, args, kwargs, ins, outs, calls):
             for n, stat in zip(running, new):
                 _write_running(ga[n], layouts[n], {r: a[n] for r, a in local.items()}, stat)
     return results
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _running_update(pieces: dict, layout: Layout, batch: dict, x_layout: Layout, momentum: float) -> dict:
@@ -268,7 +261,7 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
     ga = bind(func, args, kwargs)
     x_layout = ins[1]
     channels = x_layout.shape[1]
-    count = _numel(x_layout.shape) // max(channels, 1)
+    count = numel(x_layout.shape) // max(channels, 1)
     mask = list(ga["output_mask"])
     local = {r: bind(func, ra, rkw) for r, (ra, rkw) in calls.items()}
     if ga["train"]:

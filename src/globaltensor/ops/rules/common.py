@@ -7,7 +7,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ...sbp import Signature, broadcast, partial_sum, split
-from ..args import get, tensor_positions
+from ..schema.args import get, tensor_positions
+from ..schema.op_record import record
 
 B, P = broadcast, partial_sum
 S = split
@@ -68,34 +69,19 @@ def each_dim_kept(x: torch.Tensor, n_out: int = 1, linear: bool = False, skip=()
 
 def bind(op, args, kwargs) -> dict:
     """The op's arguments by schema name, defaults filled in (None where there is no default)."""
-    out = {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            out[a.name] = args[i]
-        elif a.name in kwargs:
-            out[a.name] = kwargs[a.name]
-        else:
-            out[a.name] = a.default_value if a.has_default_value() else None
-    return out
+    return record(op).bind(args, kwargs)
 
 
 def call_args(op, named: dict) -> tuple:
     """``(args, kwargs)`` for ``op`` from arguments by name (keyword-only ones as keywords)."""
-    args, kwargs = [], {}
-    for a in op._schema.arguments:
-        if a.kwarg_only:
-            kwargs[a.name] = named[a.name]
-        else:
-            args.append(named[a.name])
-    return tuple(args), kwargs
+    return record(op).call_args(named)
 
 
 def with_arg(op, args, kwargs, name, value) -> tuple:
     """``(args, kwargs)`` with argument ``name`` set to ``value``, wherever the caller put it."""
-    names = [a.name for a in op._schema.arguments]
-    i = names.index(name)
-    if i < len(args) and not op._schema.arguments[i].kwarg_only:
-        args = tuple(args[:i]) + (value,) + tuple(args[i + 1:])
-    else:
-        kwargs = dict(kwargs, **{name: value})
-    return args, kwargs
+    return record(op).with_arg(args, kwargs, name, value)
+
+
+def first_arg_name(op) -> str:
+    """The name of the op's first argument (``self``, ``input``)."""
+    return record(op).args[0].name

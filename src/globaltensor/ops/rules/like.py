@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ...sbp import contiguous_strides
 from .. import rng
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, sig, with_arg
@@ -85,17 +86,9 @@ def _new(op):
         shape = list(outs[0].piece_shape(rank))
         args, kwargs = with_arg(op, args, kwargs, "size", shape)
         if "stride" in bind(op, args, kwargs):  # new_empty_strided: the piece's own strides
-            args, kwargs = with_arg(op, args, kwargs, "stride", _contiguous_strides(shape))
+            args, kwargs = with_arg(op, args, kwargs, "stride", list(contiguous_strides(shape)))
         return args, kwargs
     return rule, local
-
-
-def _contiguous_strides(shape) -> list:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return strides[::-1]
 
 
 for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,

@@ -40,6 +40,7 @@ import torch
 from ...sbp import numel
 from .. import rng
 from ..registry import aten, register_rule
+from ..schema.op_record import record
 from .common import B, P, S, bind, sig, with_arg
 from .pointwise import pointwise_candidates
 
@@ -132,7 +133,7 @@ def _bernoulli_kernel(func, args, kwargs, ins, outs, calls):
     """``bernoulli(self, p)``: 1 where ``uniform < p`` (``p`` a float, a tensor, or ``self``'s values)."""
     layout = outs[0]
     offset = rng.next_offset(numel(layout.shape))
-    in_place = func._schema.name.endswith("_")
+    in_place = record(func).in_place
     results = {}
     for r, (ra, rkw) in calls.items():
         a = bind(func, ra, rkw)

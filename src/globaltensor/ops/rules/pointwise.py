@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op_record import record
+from ..schema.op_record import record
 from ..registry import aten, register_rule, register_tag_rule
 from ...sbp import broadcast_shape
 from .common import B, P, S, bind, sig, tensors_of, widening

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..registry import aten, register_rule
-from .common import B, P, S, bind, sig, tensors_of, with_arg
+from .common import B, P, S, bind, first_arg_name, sig, tensors_of, with_arg
 
 
 def _planes(x, spatial: int) -> range:
@@ -40,7 +40,7 @@ def _forward(spatial: Optional[int], n_out: int = 1, linear: bool = False):
     def rule(op):
         def candidates(*args, **kwargs):
             a = bind(op, args, kwargs)
-            x = a[op._schema.arguments[0].name]
+            x = a[first_arg_name(op)]
             k = len(a["output_size"]) if spatial is None else spatial
             cands = [sig([S(d)], [S(d)] * n_out) for d in _planes(x, k)]
             return cands + ([sig([P], [P] * n_out)] if linear else [])

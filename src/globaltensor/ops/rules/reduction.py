@@ -36,9 +36,9 @@ from typing import Optional
 
 import torch
 
-from ...torch_ops import prims
+from ...compat.torch_ops import prims
 from ..registry import aten, register_rule
-from .common import P, S, bind, linear_cast, norm_dim, sig, with_arg
+from .common import P, S, bind, first_arg_name, linear_cast, norm_dim, sig, with_arg
 
 
 
@@ -85,7 +85,7 @@ def _global_count(shape, dims) -> int:
 def reduction_candidates(op, spec: Reduction):
     def rule(*args, **kwargs):
         a = bind(op, args, kwargs)
-        x = a[op._schema.arguments[0].name]
+        x = a[first_arg_name(op)]
         reduced = reduced_dims(spec, x, a)
         keepdim = bool(a.get("keepdim", False))
         cands = [sig([S(d)], [S(d if keepdim else d - sum(r < d for r in reduced))] * spec.n_out)
@@ -103,7 +103,7 @@ def _mean_local(op, spec: Reduction):
     """Make a rank's ``mean`` of its piece come out as (sum of the piece) / (global count)."""
     def local(rank, ins, outs, *args, **kwargs):
         a = bind(op, args, kwargs)
-        piece = a[op._schema.arguments[0].name]
+        piece = a[first_arg_name(op)]
         reduced = reduced_dims(spec, piece, a)
         total = _global_count(ins[0].shape, reduced)
         here = _global_count(piece.shape, reduced)
@@ -115,7 +115,7 @@ def _mean_local(op, spec: Reduction):
             scaled = torch.zeros(shape, dtype=dtype, device=piece.device)
         else:
             scaled = piece.to(dtype) * (here / total)
-        return with_arg(op, args, kwargs, op._schema.arguments[0].name, scaled)
+        return with_arg(op, args, kwargs, first_arg_name(op), scaled)
     return local
 
 

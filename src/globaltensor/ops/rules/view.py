@@ -26,13 +26,13 @@ split's blocks. ``cat`` of equal split tensors along their split dim is a blocke
 
 Every view is linear, so ``P -> P`` everywhere. The in-place forms that change a tensor's
 metadata (``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_``) take their SBP from these
-rules (ops/inplace_view.py).
+rules (ops/writes/inplace_view.py).
 """
 from __future__ import annotations
 
 import torch
 
-from ...torch_ops import prims
+from ...compat.torch_ops import prims
 from ..registry import aten, register_rule
 from ...sbp.shape import numel
 from .common import B, P, S, bind, each_dim_kept, norm_dim, sig

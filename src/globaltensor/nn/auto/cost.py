@@ -1,0 +1,246 @@
+"""What one candidate layout costs a training step: run it once through the dispatcher on meta pieces.
+
+The model's parameters and buffers are swapped, for the run only, for global tensors of the
+candidate's layouts whose pieces are meta tensors (shapes, no data), on a simulated world of the
+placement's size; the step runs (forward and backward: every rule, signature and boxing plan as in a
+real run, data-parallel gradients reduced in buckets as ``distribute_module`` sets them up), then the
+optimizer's reads -- each gradient boxed to its parameter's layout, or with ZeRO reduce-scattered to
+the shard and the updated shards all-gathered. ``gt.comm_profile`` records every
+collective with its module and phase; memory per rank is the parameters, gradients and optimizer
+state of the layouts, plus the peak of the activations alive during the step (the pieces of every
+global tensor the step made, views not counted again). The modelled time is each collective's
+``latency + bytes / bandwidth`` (gt.calibrate()).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ...boxing import Layout
+from ...comm import simulate
+from ...observe import comm_profile
+from ...observe.context import run_labelled
+from ...placement import Placement
+from ...ops.schema.op_record import record
+from ...tensor import GlobalTensor, observe_creation
+from ..grad_buckets import bucket_gradients
+from ..zero import shard_sbp
+
+
+@dataclass
+class Cost:
+    bytes: int                          # the most any rank sends in the step
+    collectives: int
+    seconds: float                      # modelled: latency + bytes / bandwidth per collective
+    memory: int                         # the most any rank holds: parameters, gradients, state, activations
+    memory_parts: Dict[str, int] = field(default_factory=dict)
+    events: list = field(default_factory=list, repr=False)      # gt.comm_profile's CommEvents
+
+
+def meta_global(shape, dtype, placement: Placement, nd: tuple, world) -> GlobalTensor:
+    layout = Layout(tuple(shape), dtype, placement, nd)
+    return GlobalTensor(layout, {r: torch.empty(layout.piece_shape(r), dtype=dtype, device="meta")
+                                 for r in placement.rank_list() if world.holds(r)})
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, tensors: Dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within, every parameter and buffer slot of ``model`` holds ``tensors[id(original)]`` (shared
+    tensors stay shared); the originals are back afterwards."""
+    slots = [(m, kind, attr, t) for m in model.modules() for kind in ("_parameters", "_buffers")
+             for attr, t in getattr(m, kind).items() if t is not None]
+    try:
+        for m, kind, attr, t in slots:
+            getattr(m, kind)[attr] = tensors[id(t)]
+        yield
+    finally:
+        for m, kind, attr, t in slots:
+            getattr(m, kind)[attr] = t
+
+
+class MemoizedMeta(TorchDispatchMode):
+    """Keeps every plain tensor of the run on the meta device, and replays the meta kernels of ops on
+    meta pieces.
+
+    A tensor the library makes on the placement's device (a gradient bucket's buffer, a plain input
+    moved to a rank) is made on meta instead: the run has no data anywhere. An op that aliases and
+    writes nothing gives the same result metadata for the same arguments' shapes, strides and dtypes,
+    and a model's repeated blocks ask the same questions again (torch's Python meta kernels of
+    pointwise ops were most of an evaluation's time). Global ops pass through to their own dispatch,
+    whose piece ops come back here."""
+
+    def __init__(self):
+        super().__init__()
+        self.results: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, GlobalTensor) for t in types):
+            with self:
+                return GlobalTensor.__torch_dispatch__(func, types, args, kwargs)
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "meta" or \
+                isinstance(kwargs.get("device"), str):
+            kwargs = dict(kwargs, device=_META)
+        key = self._key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        made = self.results.get(key)
+        if made is None:
+            out = func(*args, **kwargs)
+            made = self.results[key] = tree_map(_metadata, out)
+            return out
+        return tree_map(_remade, made)
+
+    @staticmethod
+    def _key(func, args, kwargs):
+        if not record(func).aliases_nothing or torch.Tag.nondeterministic_seeded in func.tags:
+            return None
+        flat = tree_flatten((args, kwargs))[0]
+        key = [func]
+        for v in flat:
+            if isinstance(v, torch.Tensor):
+                if not v.is_meta:
+                    return None
+                key.append((tuple(v.shape), v.stride(), v.dtype))
+            elif isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)):
+                key.append(v)
+            else:
+                return None
+        return tuple(key)
+
+
+_META = torch.device("meta")
+
+
+class _TensorMeta:
+    """A result tensor's shape, strides and dtype (a leaf to pytree, unlike a tuple)."""
+    __slots__ = ("shape", "stride", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.stride, self.dtype = tuple(t.shape), t.stride(), t.dtype
+
+
+def _metadata(v):
+    return _TensorMeta(v) if isinstance(v, torch.Tensor) else v
+
+
+def _remade(v):
+    if isinstance(v, _TensorMeta):
+        return torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device="meta")
+    return v
+
+
+class LiveBytes:
+    """The bytes per rank of the pieces of global tensors alive, and their peak (views not counted)."""
+
+    def __init__(self):
+        self.now: Dict[int, int] = defaultdict(int)
+        self.peak: Dict[int, int] = defaultdict(int)
+
+    def created(self, t: GlobalTensor) -> None:
+        sizes = {r: p.numel() * p.element_size() for r, p in t._pieces.items() if p._base is None}
+        for r, b in sizes.items():
+            self.now[r] += b
+            self.peak[r] = max(self.peak[r], self.now[r])
+        weakref.finalize(t, self._freed, sizes)
+
+    def _freed(self, sizes: dict) -> None:
+        for r, b in sizes.items():
+            self.now[r] -= b
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator["LiveBytes"]:
+        previous = observe_creation(self.created)
+        try:
+            yield self
+        finally:
+            observe_creation(previous)
+
+
+def _per_rank_bytes(layouts: List[Layout], factor: int = 1) -> Dict[int, int]:
+    out: Dict[int, int] = defaultdict(int)
+    for lay in layouts:
+        item = lay.dtype.itemsize
+        for r in lay.placement.rank_list():
+            n = 1
+            for s in lay.piece_shape(r):
+                n *= s
+            out[r] += n * item * factor
+    return out
+
+
+def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Dict[str, tuple],
+             buffers: Dict[str, tuple], args: list, step: Callable, zero_axis, state_factor: int,
+             calibration) -> Cost:
+    """The cost of one step of ``model`` with parameters and buffers laid out as given (``{name:
+    nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``."""
+    named_params = dict(model.named_parameters())
+    named_buffers = dict(model.named_buffers())
+    with simulate(world_size) as world:
+        metas = {}
+        param_layouts = {}
+        for name, t in named_params.items():
+            g = meta_global(t.shape, t.dtype, placement, params[name], world).requires_grad_(t.requires_grad)
+            metas[id(t)] = g
+            param_layouts[name] = g
+        for name, t in named_buffers.items():
+            metas[id(t)] = meta_global(t.shape, t.dtype, placement, buffers[name], world)
+        inputs = [meta_global(shape, dtype, placement, nd, world) for shape, dtype, nd in args]
+        live = LiveBytes()
+        if zero_axis is not None:              # as ZeroOptimizer marks them: buckets reduce-scatter to the shards
+            for g in param_layouts.values():
+                g._sharded_grad = shard_sbp(g, zero_axis)
+        buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
+        try:
+            with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta():
+                step(model, *inputs)
+                del inputs
+                run_labelled("optimizer step", _optimizer_reads, param_layouts, zero_axis, phase="optimizer")
+        finally:
+            buckets.close()
+        grads = [g.layout_meta for g in param_layouts.values() if g.requires_grad]
+        weights = [g.layout_meta for g in param_layouts.values()]
+        states = [g.layout_meta if zero_axis is None else
+                  g.layout_meta.with_sbp(shard_sbp(g, zero_axis)) for g in param_layouts.values() if g.requires_grad]
+    parts = {"parameters": _per_rank_bytes(weights), "gradients": _per_rank_bytes(grads),
+             "optimizer state": _per_rank_bytes(states, state_factor), "activations": dict(live.peak)}
+    ranks = placement.rank_list()
+    memory = max(sum(part.get(r, 0) for part in parts.values()) for r in ranks)
+    seconds = _seconds(prof.events, ranks, calibration)
+    return Cost(prof.bytes_sent, prof.count, seconds, memory,
+                {k: max(v.get(r, 0) for r in ranks) for k, v in parts.items()}, list(prof.events))
+
+
+def _seconds(events, ranks, calibration) -> float:
+    """The busiest rank's modelled time: each collective it takes part in costs it its latency plus the
+    bytes it sends over the bandwidth (collectives of disjoint groups run side by side)."""
+    per_rank: Dict[int, float] = defaultdict(float)
+    for e in events:
+        for r in e.group:
+            per_rank[r] += calibration.seconds(e.collective, e.bytes_per_rank.get(r, 0))
+    return max((per_rank[r] for r in ranks), default=0.0)
+
+
+def _optimizer_reads(params: Dict[str, GlobalTensor], zero_axis) -> None:
+    """What the optimizer's step sends: each gradient read in its parameter's layout (a partial one
+    reduced), or with ZeRO boxed to the shard (the buckets reduce-scattered it there already) and the
+    updated shard all-gathered, as ZeroOptimizer.step does."""
+    with torch.no_grad():
+        for p in params.values():
+            raw = torch._C.TensorBase.grad.__get__(p)
+            if raw is None:
+                continue
+            if zero_axis is None:
+                p.grad                                          # noqa: B018 -- the read boxes it
+            else:
+                shard = shard_sbp(p, zero_axis)
+                raw.to_global(sbp=shard)
+                p.detach().to_global(sbp=shard).to_global(sbp=p.sbp)
