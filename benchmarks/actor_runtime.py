@@ -7,7 +7,7 @@ checks that the compiled version computes what its peer computes before it is ti
 
 1. ops: a chain of 99 small ops (33 x [add, relu, mm] on 64x64 pieces, S(0) data, B weight),
    the time per op = a call's time / 99: local torch on the pieces, DTensor eager, gt eager,
-   gt compiled (the default ``timeline=True``; ``timeline=False``; and the weights captured as
+   gt compiled (``timeline=True``; the default ``timeline=False``; and the weights captured as
    state instead of passed as arguments). Overhead = per op minus local torch's per op.
    Goal: the compiled overhead at most 1/4 of DTensor's eager overhead (paired per round).
 2. tp: benchmarks/tp_mlp.py's tensor-parallel MLP training step (Linear(1024,4096) -> ReLU ->
@@ -105,7 +105,7 @@ def _worker_ops(rank: int, world: int, quick: bool):
     sx, sw = gt.distribute(X, p, S(0)), gt.distribute(W, p, B)      # captured as state by `state`
     dx, dw = distribute_tensor(X, mesh, [Shard(0)]), distribute_tensor(W, mesh, [Replicate()])
 
-    c_tl = gt.compile(_chain)                                       # timeline=True (the default)
+    c_tl = gt.compile(_chain, timeline=True)
     c_nt = gt.compile(_chain, timeline=False)
     c_st = gt.compile(lambda x: _chain(x, sw, b=sx))               # the weights are state, not arguments
     want = _chain(lx, W)
@@ -422,7 +422,7 @@ def _report_ops(res, summary):
     loc, dt = t["local"], t["dt"]
     rows = []
     for key, label in (("local", "local torch"), ("dt", "DTensor eager"), ("gte", "gt eager"),
-                       ("c_tl", "gt compiled (timeline=True, default)"), ("c_nt", "gt compiled, timeline=False"),
+                       ("c_tl", "gt compiled (timeline=True)"), ("c_nt", "gt compiled, timeline=False"),
                        ("c_st", "gt compiled, weights as state")):
         v = t[key]
         over = (f"{us(v - loc):.2f}", f"{_overhead_ratio(v, loc, dt):.3f}x", f"{us(v.min - loc.min):.2f}") \

@@ -9,7 +9,8 @@ model, as in data parallelism: the same work on each side) -- with ``foreach=Tru
 ``fused=True``. The gradients are set once; the steps only update. globaltensor runs each foreach (or
 fused) op as one local call per group of parameters sharing placement, device and dtype; the script
 counts those calls (one per op here: one group) and checks that each side's parameters match plain
-torch's after the same steps.
+torch's after the same steps. Then, in one process, the foreach step on 1 and 4 simulated ranks beside
+plain torch's over as many copies of the parameters (``_worker_sim``).
 """
 from __future__ import annotations
 
@@ -94,6 +95,44 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
     return result
 
 
+def _worker_sim(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, ranks=(1, 4)):
+    """One process, ``gt.simulate(n)`` for each ``n`` of ``ranks``: AdamW(foreach=True) over the GPT's
+    parameters broadcast on the n simulated ranks, beside plain torch's AdamW(foreach=True) over n
+    copies of the parameters -- the same tensors to update (each simulated rank holds a replica)."""
+    import torch
+    import globaltensor as gt
+
+    values = _params(embd)
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(v.shape, generator=g) for v in values]
+    out = {}
+    for n in ranks:
+        with gt.simulate(n):
+            placement = gt.placement("cpu", list(range(n)))
+            plain = [v.clone().requires_grad_() for _ in range(n) for v in values]
+            for p, gr in zip(plain, grads * n):
+                p.grad = gr.clone()
+            ours = [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values]
+            for p, gr in zip(ours, grads):
+                p.grad = gt.distribute(gr, placement, gt.sbp.broadcast)
+            opts = {"plain": torch.optim.AdamW(plain, lr=1e-4, foreach=True),
+                    "gt": torch.optim.AdamW(ours, lr=1e-4, foreach=True)}
+            times = H.timed_many({k: o.step for k, o in opts.items()}, warmup=3, repeats=5 if quick else 15,
+                                 inner=2 if quick else 5, sync=False)
+            with torch.no_grad():
+                diff = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(ours, plain[:len(values)]))
+            out[n] = dict(times=times, diff=diff)
+    return out
+
+
+def report_sim(res) -> None:
+    rows = [[f"AdamW foreach, {n} simulated rank{'s' if n > 1 else ''}", H.fmt(r["times"]["plain"]),
+             H.fmt(r["times"]["gt"]), f"{H.paired_ratio(r['times']['gt'], r['times']['plain']):.3f}x",
+             f"{r['diff']:.1e}"] for n, r in res.items()]
+    print(H.table(["step", "plain ms", "gt ms", "gt / plain", "largest difference"], rows,
+                  "## AdamW step in a simulated world (plain torch over as many parameter copies as ranks)"))
+
+
 def report(res) -> None:
     t = res["times"]
     rows = []
@@ -118,6 +157,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(H.header("optimizer"))
     report(H.spawn(_worker, args.nproc, args.quick, args.embd))
+    report_sim(H.spawn(_worker_sim, 0, args.quick, args.embd))
     return 0
 
 

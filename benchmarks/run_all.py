@@ -29,6 +29,7 @@ import gpu
 import hybrid_gpt
 import models
 import optimizer
+import scale
 import subclass_floor
 import tp_mlp
 
@@ -63,6 +64,10 @@ JOBS = {
     "models": ("HF Llama / GPT-2 and a BatchNorm CNN, bytes per step, 4 simulated ranks", models.measure),
     "optim": ("AdamW step over the GPT's parameters, foreach and fused, 2 processes",
               lambda q: H.spawn(optimizer._worker, 2, q)),
+    "optim_sim": ("AdamW foreach step on 1 and 4 simulated ranks, 1 process",
+                  lambda q: H.spawn(optimizer._worker_sim, 0, q)),
+    "scale": ("GPT step eager and gt.compile on 4, 16, 64 simulated ranks, 1 process",
+              lambda q: H.spawn(scale._worker, 0, q, timeout=3600)),
     "gpu": ("GPT training step on one GPU (CUDA only)", lambda q: H.spawn(gpu._worker, 0, q)),
 }
 
@@ -187,6 +192,19 @@ def gpu_rows(res) -> list:
     return out
 
 
+def optimizer_sim_rows(res) -> list:
+    """The foreach AdamW step on simulated ranks beside plain torch's over as many parameter copies."""
+    return [row(f"AdamW foreach step, GPT parameters ({n} simulated rank{'s' if n > 1 else ''}) vs plain torch",
+                f"{H.fmt(r['times']['gt'])} ms", f"plain {H.fmt(r['times']['plain'])} ms",
+                H.paired_ratio(r["times"]["gt"], r["times"]["plain"]), 1.2) for n, r in res.items()]
+
+
+def scale_rows(res) -> list:
+    """gt.compile beside eager on simulated meshes (scale.py): compiled at most 0.8x eager."""
+    return [row(f"{kind} GPT step, {n} simulated ranks: gt.compile vs eager", f"{H.fmt(r['times']['compiled'])} ms",
+                f"eager {H.fmt(r['times']['eager'])} ms", r["ratio"], 0.8) for (kind, n), r in res.items()]
+
+
 def check_rows(res) -> list:
     """What gt.set_check(True) costs per op (a cost to know, not a goal: the check is off by default)."""
     return [[f"consistency check on, {r['op']} (2 procs)", f"{H.fmt(r['on'], 1e6, 1)} us",
@@ -216,6 +234,8 @@ MEASURES = [
     Measure("models", model_rows),
     Measure("check", check_rows),
     Measure("optim", optimizer_rows),
+    Measure("optim_sim", optimizer_sim_rows),
+    Measure("scale", scale_rows),
     Measure("gpu", gpu_rows),
 ]
 

@@ -1,4 +1,4 @@
-"""The compute order a lowering gives around collectives (actor_rt/lower.py ``_communication_first``).
+"""The compute order a lowering gives around collectives (actor_rt/order.py ``communication_first``).
 
 A collective whose inputs are views of the call's arguments (a loss's targets, all-gathered to count
 its global mean) starts at the beginning of the call: the views are hoisted to the front of the
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from globaltensor.actor_rt.graph import Node, Ref
-from globaltensor.actor_rt.lower import TaskSpec, _communication_first
+from globaltensor.actor_rt.order import communication_first as _communication_first
+from globaltensor.actor_rt.program import TaskSpec
 
 aten = torch.ops.aten
 

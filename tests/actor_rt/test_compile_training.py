@@ -200,7 +200,7 @@ def test_a_bucket_is_reduced_in_its_own_buffer(p1):
     for bucket_bytes, want in ((25 * 2 ** 20, "all_reduce_in_place"), (0, "all_reduce")):
         m, opt, step = module_maker(p1, {}, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                                     bucket_bytes=bucket_bytes)()
-        g = gt.compile(step, bucket_bytes=bucket_bytes)
+        g = gt.compile(step, bucket_bytes=bucket_bytes, streams="rank")
         batches = _batches(p1, S(0))
         g(*batches(0))
         g(*batches(1))

@@ -120,7 +120,7 @@ def test_random_graphs_any_streams_and_registers_finish_and_equal_eager(world4, 
     fn = build(prog, w, others, sbps)
     refs = [fn(x) for x in xs]
 
-    g = gt.compile(fn, registers=registers, streams=streams, warmup=0)
+    g = gt.compile(fn, registers=registers, streams=streams, warmup=0, timeline=True)
     outs = run_bounded(lambda: g.pipeline(xs), HANG_S, f"g.pipeline of {ITEMS} items")
 
     plan = g.plan
@@ -153,7 +153,7 @@ def test_every_task_on_its_own_stream(p1, k):
         h = torch.relu(x @ w).to_global(sbp=B)
         return (h * h.sum(0, keepdim=True)).to_global(sbp=S(1)), h.to_global(sbp=P)
     xs = [gt.randn(N, N, placement=p1, sbp=S(0)) for _ in range(5)]
-    g = gt.compile(fn, registers=k, streams=lambda t: f"r{t.rank}:t{t.id}", warmup=0)
+    g = gt.compile(fn, registers=k, streams=lambda t: f"r{t.rank}:t{t.id}", warmup=0, timeline=True)
     outs = run_bounded(lambda: g.pipeline(xs), HANG_S, "a pipeline with a stream per task")
     assert len(g.plan.streams) == len(g.plan.tasks), g.plan
     for i, (x, out) in enumerate(zip(xs, outs)):

@@ -1,4 +1,8 @@
-"""``gt.compile(streams="device")``: simulated ranks share their physical device's streams."""
+"""Stream assignment in a simulated world: by default (``streams="shared"``) the ranks share their
+device's streams -- one stream for the CPU, run on the caller's thread --; ``"device"`` gives each
+device its compute / collective streams, ``"rank"`` each rank its own (lower.py)."""
+import threading
+
 import pytest
 import torch
 
@@ -30,6 +34,35 @@ def test_simulated_ranks_share_one_compute_and_one_collective_stream_and_train_a
             torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-12, atol=1e-15)
     assert set(g.plan.streams) == {"cpu:compute", "cpu:collective"}, g.plan
     assert {t.rank for t in g.plan.tasks} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("streams", [None, "shared"])
+def test_a_simulated_cpu_world_runs_its_graph_on_the_callers_thread(world4, streams):
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    eager, eager_params = _step(p)
+    step, params = _step(p)
+    before = threading.active_count()
+    g = gt.compile(step, streams=streams)
+    for i in range(4):
+        x, y = gt.randn(8, 8, placement=p, sbp=(S(0), B)), gt.randn(8, 4, placement=p, sbp=(S(0), B))
+        want, got = eager(x, y), g(x, y)
+        torch.testing.assert_close(got.full_tensor(), want.full_tensor(), rtol=1e-12, atol=0)
+        for a, b in zip(params, eager_params):
+            torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-12, atol=1e-15)
+    assert set(g.plan.streams) == {"cpu"}, g.plan
+    assert any(t.node is not None and t.node.kind == "collective" for t in g.plan.tasks), "collectives run inline too"
+    assert threading.active_count() == before, "the graph started threads"
+
+
+def test_rank_streams_give_each_rank_its_own(world4):
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    step, _ = _step(p)
+    g = gt.compile(step, streams="rank")
+    x, y = gt.randn(8, 8, placement=p, sbp=(S(0), B)), gt.randn(8, 4, placement=p, sbp=(S(0), B))
+    for _ in range(3):
+        g(x, y)
+    assert {f"r{r}:compute" for r in range(4)} <= set(g.plan.streams), g.plan
+    assert all(t.stream.startswith(f"r{t.rank}:") for t in g.plan.tasks)
 
 
 def test_streams_must_be_none_device_or_a_function():

@@ -9,6 +9,9 @@ as the credits allow (a lead of k on the edge into the slow stage) shows the che
 
 The registers' memory, sampled with ``measure_memory=True``, stays within
 ``g.plan.memory_bound`` (sum of registers x output bytes), and more registers hold more memory.
+
+A simulated CPU world runs its graph on one stream by default; these graphs ask for one stream
+per rank (``streams="rank"``), so that producers and consumers meet across streams.
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def _into_slow_stage(plan):
 def test_no_producer_runs_more_than_k_ahead_across_stages(pa, pb, k):
     fn = _two_stage(pa, pb)
     xs = [gt.randn(8, 8, placement=pa, sbp=S(0)) for _ in range(ITEMS)]
-    g = gt.compile(fn, registers=k, measure_memory=True)
+    g = gt.compile(fn, registers=k, measure_memory=True, streams="rank", timeline=True)
     outs, timeline = _run(g, xs)
     assert all(t.registers == k for t in g.plan.tasks)
     _assert_credits(g, timeline)
@@ -100,7 +103,7 @@ def test_per_task_register_counts_bound_each_producer(pa, pb):
         return 1 + t.id % 3
     fn = _two_stage(pa, pb)
     xs = [gt.randn(8, 8, placement=pa, sbp=S(0)) for _ in range(ITEMS)]
-    g = gt.compile(fn, registers=count, measure_memory=True)
+    g = gt.compile(fn, registers=count, measure_memory=True, streams="rank", timeline=True)
     outs, timeline = _run(g, xs)
     assert {t.name: t.registers for t in g.plan.tasks} == {t.name: count(t) for t in g.plan.tasks}
     assert len({t.registers for t in g.plan.tasks}) == 3
@@ -128,7 +131,7 @@ def test_custom_streams_cheap_producer_expensive_consumer(p1, k):
         h = torch.sin(x @ w) * 2.0 + 1.0
         return slow(h).to_global(sbp=B)
     xs = [gt.randn(8, 6, placement=p1, sbp=S(0)) for _ in range(ITEMS)]
-    g = gt.compile(fn, registers=k, streams=_stream_of, measure_memory=True)
+    g = gt.compile(fn, registers=k, streams=_stream_of, measure_memory=True, timeline=True)
     outs, timeline = _run(g, xs)
     plan = g.plan
     assert {t.name: t.stream for t in plan.tasks} == {t.name: _stream_of(t) for t in plan.tasks}, \
@@ -149,7 +152,7 @@ def test_more_registers_hold_more_memory_within_the_bound(pa, pb):
     xs = [gt.randn(8, 8, placement=pa, sbp=S(0)) for _ in range(ITEMS)]
     peaks, bounds = {}, {}
     for k in (1, 3):
-        g = gt.compile(fn, registers=k, measure_memory=True)
+        g = gt.compile(fn, registers=k, measure_memory=True, streams="rank")
         _run(g, xs)
         peaks[k], bounds[k] = g.peak_register_bytes, g.plan.memory_bound
         assert 0 < peaks[k] <= bounds[k], f"registers={k}: peak {peaks[k]} bytes, bound {bounds[k]}"
@@ -173,7 +176,7 @@ def test_credits_and_memory_bound_in_a_data_parallel_training_pipeline(p1):
     data = [(gt.randn(8, 6, placement=p1, sbp=S(0)), gt.randn(8, 3, placement=p1, sbp=S(0)))
             for _ in range(ITEMS)]
     for k in (1, 2):
-        g = gt.compile(step, registers=k, measure_memory=True)
+        g = gt.compile(step, registers=k, measure_memory=True, streams="rank", timeline=True)
         g(*data[0])
         g(*data[0])
         run_bounded(lambda: g.pipeline(data), HANG_S, "the training pipeline")

@@ -137,7 +137,7 @@ def test_failure_mid_pipeline_while_producers_wait_for_credits(pa, pb, k):
         return maybe_fail(slow(h)).to_global(sbp=B)
     xs = [gt.randn(3, 6, placement=pa, sbp=S(0)) for _ in range(12)]
     assert {r: t.shape[0] for r, t in xs[0].to_global(placement=pb, sbp=S(0)).local_tensors().items()} == {2: 2, 3: 1}
-    g = gt.compile(fn, registers=k)
+    g = gt.compile(fn, registers=k, streams="rank")
     g(xs[0])
     g(xs[0])
     threads = _runtime_threads(g)
@@ -224,7 +224,7 @@ def test_the_timeline_shows_no_firing_past_the_failure(p1):
     fires iteration i or later: threads leave their loops rather than run on stale registers."""
     fn = lambda x: (maybe_fail(x + 1.0) * 2.0).to_global(sbp=B)     # noqa: E731
     xs = [gt.randn(7, 3, placement=p1, sbp=S(0)) for _ in range(8)]
-    g = gt.compile(fn, registers=2)
+    g = gt.compile(fn, registers=2, timeline=True)
     g(xs[0])
     g(xs[0])
     base = max(it for _, _, it, _, _ in timeline_of(g)) + 1       # the next run's first iteration

@@ -13,7 +13,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from globaltensor.actor_rt.graph import Node, Ref
-from globaltensor.actor_rt.lower import TaskSpec, _inline_sends
+from globaltensor.actor_rt.lower import _inline_sends
+from globaltensor.actor_rt.program import TaskSpec
 from globaltensor.comm.world import Transfer
 
 ME = 0

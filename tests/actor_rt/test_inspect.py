@@ -46,7 +46,7 @@ def test_plan_before_any_capture_is_an_error(p1):
 
 
 def test_plan_tasks_streams_registers(p1):
-    g, _ = _compiled_step(p1)
+    g, _ = _compiled_step(p1, streams="rank")
     plan = g.plan
     assert len(plan.tasks) > 0
     names = [t.name for t in plan.tasks]
@@ -72,13 +72,14 @@ def test_plan_tasks_streams_registers(p1):
 def test_registers_set_the_counts_and_the_memory_bound(p1):
     g2, _ = _compiled_step(p1, registers=2)
     g3, _ = _compiled_step(p1, registers=3)
+    assert set(g2.plan.streams) == {"cpu"}, "a simulated CPU world runs its graph on one stream"
     assert all(k == 3 for k in g3.plan.registers.values())
     b2, b3 = g2.plan.memory_bound, g3.plan.memory_bound
     assert 0 < b2 < b3 <= b2 * 3 / 2, f"a third more registers per task: bound {b2} -> {b3}"
 
     def per_stream(task):
         return 1 if task.stream.endswith(":collective") else 4
-    gf, _ = _compiled_step(p1, registers=per_stream)
+    gf, _ = _compiled_step(p1, registers=per_stream, streams="rank")
     plan = gf.plan
     for t in plan.tasks:
         assert plan.registers[t.name] == per_stream(t), t.name
@@ -112,7 +113,7 @@ def test_to_dot_mentions_every_task(p1):
 
 
 def test_trace_to_writes_chrome_trace_json(p1, tmp_path):
-    g, args = _compiled_step(p1)
+    g, args = _compiled_step(p1, timeline=True)
     g.pipeline([args, args])                      # the last run: two iterations
     path = tmp_path / "trace.json"
     assert g.trace_to(str(path)) == str(path)
@@ -138,13 +139,19 @@ def test_trace_to_writes_chrome_trace_json(p1, tmp_path):
         assert thread_names[e["tid"]] == stream_of[e["name"]], f"{e['name']} drawn on another stream's thread"
 
 
+def test_trace_to_without_a_timeline_says_how_to_record_one(p1, tmp_path):
+    g, args = _compiled_step(p1)
+    with pytest.raises(RuntimeError, match="timeline=True"):
+        g.trace_to(str(tmp_path / "trace.json"))
+
+
 def test_trace_to_draws_a_streams_waits_before_the_firing_they_held_back(p1, tmp_path):
     """The matmuls on one stream, what follows them on another: that stream runs ahead, sleeps
     until each matmul is done, and the trace shows every sleep as a "wait" event on its own row,
     named after the task it waited for (or the call's arguments, which the caller feeds), ending
     before the firing it held back."""
     w = gt.randn(512, 512, placement=p1, sbp=B) / 32.0
-    g = gt.compile(lambda x: torch.tanh(x @ w @ w) + 1.0, warmup=0,
+    g = gt.compile(lambda x: torch.tanh(x @ w @ w) + 1.0, warmup=0, timeline=True,
                    streams=lambda t: f"r{t.rank}:" + ("mm" if "mm" in t.name else "pointwise"))
     xs = [gt.randn(256, 512, placement=p1, sbp=S(0)) for _ in range(8)]
     outs = g.pipeline(xs)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 import globaltensor as gt
-from globaltensor.actor_rt.lower import Program, TaskSpec
+from globaltensor.actor_rt.program import Program, TaskSpec
 from globaltensor.actor_rt.segments import plan_segments
 from nn_models import training_step
 

@@ -316,6 +316,7 @@ CASES = {
     "compile-argument": lambda: gt.compile(lambda x, y: x)(x84(), {"a": [1]}.keys()),
     "compile-bucket-bytes": lambda: gt.compile(lambda x: x, bucket_bytes=-1),
     "compile-nothing-captured": lambda: gt.compile(lambda x: x).plan,
+    "compile-no-timeline": lambda: _compiled(lambda x: x * 2, x84()).trace_to("trace.json"),
     "compile-register-count": lambda: _compiled(lambda x: x * 2, x84(), registers=lambda task: 0),
     "compile-stream-name": lambda: _compiled(lambda x: x * 2, x84(), streams=lambda task: ""),
     "compile-micro-batch-shape": lambda: _compiled(lambda x: x.sum(), gt.randn(6, 4, placement=p4(), sbp=B),

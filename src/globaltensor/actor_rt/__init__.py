@@ -9,7 +9,7 @@ actor runtime with credit-based flow control.
 """
 from .capture import CaptureError
 from .compiled import CompiledFunction, compile
-from .lower import CompileError
+from .program import CompileError
 from .runtime import GraphError
 
 __all__ = ["compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError"]

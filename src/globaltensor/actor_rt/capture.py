@@ -146,6 +146,7 @@ class Tracer(TorchDispatchMode):
         vid = len(self.values)
         v = Value(vid, **kw)
         v.storage = storage_key(t)
+        v.meta = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) if t.layout == torch.strided else None
         self.values[vid] = v
         self.vid_of[id(t)] = vid
         if v.storage is not None:
@@ -282,6 +283,7 @@ class Tracer(TorchDispatchMode):
                     backward=self.backward, inputs=tuple(inputs),
                     reads=tuple({self.values[v].storage for v in inputs} - {None}),
                     writes=tuple({storage_key(t) for t in written} - {None}))
+        node.metas = {v: self.values[v].meta for v in inputs}
         node.device = outs[0].device if outs else written[0].device
         if any(o.device != t.device for o in outs for t in tensors) or \
                 (func is aten.copy_.default and args[0].device != args[1].device):

@@ -28,7 +28,8 @@ from ..ops.schema.args import SCALARS
 from ..tensor import GlobalTensor
 from .capture import capture
 from .inspect import PlanView, chrome_trace, dot
-from .lower import Program, lower
+from .lower import lower
+from .program import Program
 from .optim import capturable_optimizers, hyper_parameters
 from .runtime import Runtime
 
@@ -124,7 +125,7 @@ class CompiledFunction:
     """What ``gt.compile`` returns: call it like ``fn``; ``pipeline`` runs many calls overlapped."""
 
     def __init__(self, fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1,
-                 bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
+                 bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,
                  measure_memory: bool = False, streams: Union[None, str, Callable] = None):
         if not callable(fn):
             raise TypeError(f"gt.compile: expected a function or an nn.Module, got {type(fn).__name__}")
@@ -136,8 +137,9 @@ class CompiledFunction:
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"gt.compile(warmup=): expected a non-negative int, got {warmup!r}")
         GradBuckets(bucket_bytes)           # validates
-        if streams is not None and streams != "device" and not callable(streams):
-            raise ValueError(f"gt.compile(streams=): expected None, 'device' or a function of a task, got {streams!r}")
+        if streams not in (None, "shared", "device", "rank") and not callable(streams):
+            raise ValueError(f"gt.compile(streams=): expected None, 'shared', 'device', 'rank' or a function of a "
+                             f"task, got {streams!r}")
         self.fn, self.registers, self.micro_batches = fn, registers, micro_batches
         self.bucket_bytes, self.warmup = bucket_bytes, warmup
         self.timeline, self.measure_memory, self.streams = timeline, measure_memory, streams
@@ -273,8 +275,12 @@ class CompiledFunction:
 
     def trace_to(self, path: str) -> str:
         """Write the last run's actor firings, and the streams' waits for inputs and credits, as
-        Chrome-trace JSON (Perfetto, chrome://tracing)."""
+        Chrome-trace JSON (Perfetto, chrome://tracing); the graph records them when compiled with
+        ``timeline=True`` (two clock reads per task, off by default)."""
         graph = self._graph()
+        if not graph.runtime.timeline_on:
+            raise RuntimeError("g.trace_to: this graph records no timeline; compile with "
+                               "gt.compile(fn, timeline=True) to draw its actor firings")
         return chrome_trace(graph.runtime.timeline, path, {t.name: t.rank for t in graph.program.tasks},
                             graph.runtime.waits)
 
@@ -285,7 +291,7 @@ class CompiledFunction:
 
 
 def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
-            bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = True,
+            bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,
             measure_memory: bool = False, streams: Union[None, str, Callable] = None) -> CompiledFunction:
     """Capture ``fn`` (a function or an ``nn.Module``) into a static graph run by the actor runtime.
 
@@ -294,6 +300,9 @@ def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: in
     every tensor argument along dim 0 into m micro-batches that flow through the graph; their
     gradients are averaged and the optimizer runs once. ``bucket_bytes``: data-parallel
     gradients are all-reduced in buckets of about this size while the backward runs (0: one by
-    one when read). ``warmup``: eager calls before the capture, per argument meta.
+    one when read). ``warmup``: eager calls before the capture, per argument meta. ``timeline``:
+    record each task's firing for ``trace_to`` (two clock reads per task). ``streams``: which
+    tasks share a stream (lower.py; by default each rank's own in a process world, each device's in
+    a simulated one -- one stream on the CPU, run on the caller's thread).
     """
     return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory, streams)

@@ -38,6 +38,7 @@ class Value:
     tensor: Any = None             # kind "state": the tensor itself
     storage: Optional[tuple] = None
     nbytes: int = 0                # bytes of its storage, when the graph allocates it
+    meta: Optional[tuple] = None   # (shape, strides, storage offset, dtype) of the tensor
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Node:
     inputs: Tuple[int, ...] = ()   # the value ids it reads
     device: Any = None             # where its outputs are (a CUDA task runs on a CUDA stream)
     stream: str = "compute"        # the kind of stream it runs on: compute, copy (between devices), collective
+    metas: dict = field(default_factory=dict)   # "op": input vid -> its Value's meta, as captured
 
     @property
     def name(self) -> str:

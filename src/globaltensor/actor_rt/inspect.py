@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from .lower import Program
+from .program import Program
 from .segments import plan_segments
 
 _COLOURS = {"compute": "lightblue", "collective": "orange", "copy": "palegreen"}

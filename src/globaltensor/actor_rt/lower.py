@@ -24,52 +24,14 @@ tasks, each adding one micro-batch's value as soon as it is made.
 """
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-import torch
 from torch.utils._pytree import tree_unflatten
 
-from ..ops.schema.op_record import record
+from .fuse_views import fuse_views, without_dead_views
 from .graph import Captured, Node
-
-
-class CompileError(RuntimeError):
-    """A captured graph that cannot be scheduled as asked."""
-
-
-@dataclass
-class TaskSpec:
-    id: int
-    name: str
-    node: Optional[Node]            # None: an accumulator (fold)
-    mb: Optional[int]               # the micro-batch (None: once per call)
-    rank: int
-    stream: str
-    inputs: list                    # per input value: ("task", id, out) | ("feed", key) | ("const", tensor)
-    deps: List[Tuple[int, int]] = field(default_factory=list)   # ordering edges: (task id, delay 0 or 1)
-    registers: int = 2
-    nbytes: int = 0                 # bytes one register of its outputs holds
-    device: object = None
-    fold: Optional[Tuple[int, int]] = None     # an accumulator: (micro-batch j, of m)
-
-
-@dataclass
-class Program:
-    tasks: List[TaskSpec]
-    order: Dict[str, List[int]]    # stream -> task ids in static order
-    outputs: list                   # per Output leaf: as in Captured, refs resolved
-    rebinds: list                   # (weakref, rank, input ref)
-    grad_rebinds: list              # (leaf index, layout, {rank: input ref})
-    feeds: list                     # feed keys: ("arg", leaf, rank, mb) | ("keys", vid, mb)
-    feed_specs: dict                # feed key -> how to make it
-    micro_batches: int
-
-    @property
-    def memory_bound(self) -> int:
-        """Bytes the registers may hold at once: every task's register count times its outputs' bytes."""
-        return sum(t.registers * t.nbytes for t in self.tasks)
+from .order import communication_first
+from .program import CompileError, Program, TaskSpec
 
 
 def _live(cap: Captured) -> set:
@@ -300,103 +262,36 @@ def _inline_sends(tasks: List[TaskSpec], rank: int) -> List[int]:
             if device_type == "cpu" and sends and not receives and not sends & shared]
 
 
-def _communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
-    """The reference order reworked so that what follows a collective waits until it is needed.
-
-    In capture order, the ops that consume a collective's result come right after it (the
-    gradient slices of a bucket's all-reduce); a stream running them there would sit waiting for
-    the collective instead of going on with the backward. Each task downstream of a collective
-    gets a deadline: the earliest position of anything that needs it (another collective, or a
-    task that is not downstream of one) -- never later than its consumers. A topological sort by
-    (deadline, the latest collective it waits for, position) then runs the work that feeds the
-    next collective first, postpones the rest, and among what nothing waits for (an optimizer's
-    updates) takes first what the earliest collectives made ready: the parameters of the first
-    gradient bucket are updated while the last bucket is still being reduced. Collectives keep
-    their positions, so every rank still issues them in capture order.
-    """
-    pos = {tid: p for p, tid in enumerate(order)}
-    succ: Dict[int, List[int]] = {tid: [] for tid in order}
-    preds: Dict[int, set] = {tid: set() for tid in order}
-    for t in tasks:
-        for x in t.inputs:
-            if x[0] == "task":
-                preds[t.id].add(x[1])
-        preds[t.id].update(d for d, delay in t.deps if delay == 0)
-        for p in preds[t.id]:
-            succ[p].append(t.id)
-    def is_collective(tid: int) -> bool:
-        return tasks[tid].node is not None and tasks[tid].node.kind == "collective"
-    downstream = set()
-    for tid in order:
-        if not is_collective(tid) and any(is_collective(p) or p in downstream for p in preds[tid]):
-            downstream.add(tid)
-    deadline: Dict[int, float] = {}
-    for tid in reversed(order):
-        if tid in downstream:
-            deadline[tid] = min((deadline[c] for c in succ[tid]), default=float("inf"))
-        else:
-            deadline[tid] = pos[tid]
-    for tid in _views_feeding_collectives(tasks, order, preds, is_collective):
-        deadline[tid] = -1
-    gate: Dict[int, int] = {}                   # the latest collective it waits for (-1: none)
-    for tid in order:
-        gate[tid] = max([pos[tid] if is_collective(tid) else -1] + [gate[p] for p in preds[tid]])
-    key = {tid: (deadline[tid], gate[tid], pos[tid], tid) for tid in order}
-    waiting = {tid: len(preds[tid]) for tid in order}
-    ready = [key[tid] for tid in order if not waiting[tid]]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        tid = heapq.heappop(ready)[-1]
-        out.append(tid)
-        for c in succ[tid]:
-            waiting[c] -= 1
-            if not waiting[c]:
-                heapq.heappush(ready, key[c])
-    if len(out) != len(order):
-        raise CompileError("gt.compile: the captured graph has a cycle")
-    return out
-
-
-def _views_feeding_collectives(tasks: List[TaskSpec], order: List[int], preds: Dict[int, set], is_collective) -> set:
-    """The tasks to run first: those whose only work is to make a view for a collective whose inputs
-    need nothing else (the targets a loss all-gathers to count its global mean: a view of an
-    argument). Run at their capture position, their collective would start only when the forward
-    reaches the loss and hold the compute stream there; run first, it is done by then."""
-    hoist = set()
-    for tid in order:
-        if not is_collective(tid):
-            continue
-        ancestors, todo, cheap = set(), list(preds[tid]), True
-        while todo and cheap:
-            a = todo.pop()
-            if a in ancestors or is_collective(a):
-                continue
-            ancestors.add(a)
-            cheap = _is_view(tasks[a].node)
-            todo.extend(preds[a])
-        if cheap:
-            hoist |= ancestors
-    return hoist
-
-
-def _is_view(node) -> bool:
-    """Whether ``node`` is an op whose results are views of its inputs (no data is computed)."""
-    if node is None or node.kind == "collective" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    return record(node.target).is_view
+def _device_stream(t: TaskSpec, merged: bool) -> str:
+    """The stream of ``t`` on its device: ``cpu`` for every CPU task when ``merged``, else
+    ``<device>:<kind>`` (``cpu:compute``, ``cuda0:collective``)."""
+    cpu = t.device is None or t.device.type == "cpu"
+    if cpu and merged:
+        return "cpu"
+    device = "cpu" if cpu else f"{t.device.type}{t.device.index or 0}"
+    return f"{device}:{t.stream.split(':')[1]}"
 
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
           collective_rank: Optional[int] = None, streams: Union[None, str, Callable] = None) -> Program:
     """The task graph of ``cap`` for the ranks this process holds.
 
-    ``streams`` chooses the stream of each task: None, each rank's own compute / copy /
-    collective streams (``r<rank>:compute``; a CPU process world's sends, see ``_inline_sends``,
-    on compute); ``"device"``, the ranks that share a physical device
-    (a simulated world's) share its streams (``cpu:compute``); a function of a task, the name it
-    returns (a task of a process world stays on its rank: ``r<rank>:<name>``). Any assignment is
-    deadlock-free: every stream follows the one reference order."""
+    ``streams`` chooses the stream of each task:
+
+    - None: in a process world (``collective_rank`` given), each rank's own compute / copy /
+      collective streams (``r<rank>:compute``; a CPU process world's sends, see
+      ``_inline_sends``, on compute); in a simulated world, ``"shared"``;
+    - ``"shared"``: the ranks that share a physical device share its streams; on CPU that is one
+      stream for every task (``cpu``) -- Python threads on one CPU only take turns at the GIL (two
+      threads running small ops took 3.5x the time of one), so a simulated CPU world runs its whole
+      graph on the caller's thread, with no hand-off --, on a GPU its compute / copy / collective
+      streams (``cuda0:compute``), which overlap on the device;
+    - ``"device"``: per device, its compute / copy / collective streams, on CPU too (``cpu:compute``);
+    - ``"rank"``: each rank its own streams, as in a process world (``r<rank>:compute``);
+    - a function of a task: the name it returns (a task of a process world stays on its rank:
+      ``r<rank>:<name>``).
+
+    Any assignment is deadlock-free: every stream follows the one reference order."""
     live = _live(cap)
     _assign_ranks(cap, live, cap.held_ranks[0])
     b = _Builder(cap, micro_batches, cap.held_ranks[0], collective_rank)
@@ -423,15 +318,22 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
         if v.kind == "node" and v.storage is not None and v.storage not in creator and v.storage not in external:
             creator[v.storage] = (v.node, per_mb.get(v.node, False) and micro_batches > 1)
     _ordering(tasks, order, external, creator)
+    fuse_views(tasks, cap.values)
+    needed = {x[1] for _, refs in outputs for x in refs.values() if x[0] == "task"} | \
+        {x[1] for _, _, x in rebinds if x[0] == "task"} | \
+        {x[1] for _, _, refs in grad_rebinds for x in refs.values() if x[0] == "task"}
+    tasks, order, remap = without_dead_views(tasks, order, needed)
+    outputs = [(o, {r: remap(x) for r, x in refs.items()}) for o, refs in outputs]
+    rebinds = [(w, r, remap(x)) for w, r, x in rebinds]
+    grad_rebinds = [(i, layout, {r: remap(x) for r, x in refs.items()}) for i, layout, refs in grad_rebinds]
     for t in tasks:
         k = registers(t) if callable(registers) else registers
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"gt.compile(registers=): expected a register count >= 1 for task {t.name}, got {k!r}")
         t.registers = k
-        if streams == "device":
-            device = "cpu" if t.device is None or t.device.type == "cpu" else f"{t.device.type}{t.device.index or 0}"
-            t.stream = f"{device}:{t.stream.split(':')[1]}"
-        elif streams is not None:
+        if streams in ("device", "shared") or (streams is None and collective_rank is None):
+            t.stream = _device_stream(t, merged=streams != "device")
+        elif streams not in (None, "rank"):
             name = streams(t)
             if not isinstance(name, str) or not name or \
                     (collective_rank is not None and not name.startswith(f"r{t.rank}:")):
@@ -442,7 +344,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     if streams is None and collective_rank is not None:
         for tid in _inline_sends(tasks, collective_rank):
             tasks[tid].stream = f"r{collective_rank}:compute"
-    order = _communication_first(tasks, order)
+    order = communication_first(tasks, order)
     streams: Dict[str, List[int]] = {}
     for tid in order:
         streams.setdefault(tasks[tid].stream, []).append(tid)

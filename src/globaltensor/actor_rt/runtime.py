@@ -25,21 +25,19 @@ rank fails, and that error names this rank's task and op. The graph is broken af
 """
 from __future__ import annotations
 
-import atexit
+import gc
 import queue
 import threading
 import time
-import weakref
 from typing import Dict, List
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import get_world
 from .capture import storage_key
-from .graph import Ref, StorageRef
-from .lower import Program, TaskSpec
-from .recycle import recycled
+from .program import Program, TaskSpec
+from .shutdown import stop_at_exit
+from .stream_code import StreamCode
 
 
 # how long a failed graph waits for its stream threads to leave the op or collective they are in
@@ -97,154 +95,6 @@ class Feed:
         self.notify: list = []         # their streams, but the caller's own
 
 
-def _fold(acc, x, j: int, m: int):
-    """Step ``j`` of the mean over ``m`` micro-batches: ``acc`` holds the sum of the ones before."""
-    if not (x.is_floating_point() or x.is_complex()):
-        return x                                 # counts and indices: the last micro-batch's
-    out = acc + x if j == 1 else acc.add_(x)
-    return out.div_(m) if j == m - 1 else out
-
-
-def _constant(v, namespace: dict) -> str:
-    if v is None or type(v) in (bool, int):
-        return repr(v)
-    name = f"K{len(namespace)}"
-    namespace[name] = v
-    return name
-
-
-class _StreamCode:
-    """Python source of one stream's iteration: its tasks' ops in static order, straight-line.
-
-    A task's inputs are read from the producer's register (``T7.regs[it % 2][0]``), or from a
-    local when the producer ran earlier on this stream in the same iteration; its outputs go to
-    its own register. Waits, events, timeline entries and notifications appear only where a
-    task has them, so the common task costs its op call and two stores.
-    """
-
-    def __init__(self, runtime: "Runtime", stream: "Stream"):
-        self.rt, self.stream = runtime, stream
-        self.ns = {"_fold": _fold, "_flat": tree_flatten, "_unflat": tree_unflatten, "F": runtime.feed,
-                   "CLOCK": time.perf_counter, "TL": runtime.timeline, "SN": stream.name}
-        self.lines: list = []
-        self.line_task: dict = {}
-        self.here: set = set()
-        self.moduli = sorted({t.k for t in stream.tasks} | {runtime.feed.k} |
-                             {runtime.tasks[src[1]].k for t in stream.tasks for src in t.spec.inputs if src[0] == "task"})
-
-    def slot(self, k: int) -> str:
-        return "0" if k == 1 else f"s{k}"
-
-    def expr(self, src) -> str:
-        if src[0] == "const":
-            return _constant(src[1], self.ns)
-        if src[0] == "feed":
-            return f"F.regs[{self.slot(self.rt.feed.k)}][{self.rt.feed_index[src[1]]}]"
-        tid, out = src[1], src[2]
-        if tid in self.here:
-            return f"o{tid}[{out}]"
-        self.ns[f"T{tid}"] = self.rt.tasks[tid]
-        return f"T{tid}.regs[{self.slot(self.rt.tasks[tid].k)}][{out}]"
-
-    def call(self, t: "Task") -> str:
-        spec, ns, tid = t.spec, self.ns, t.spec.id
-        if spec.node is None:
-            acc, x = (self.expr(src) for src in spec.inputs)
-            return f"(_fold({acc}, {x}, {spec.fold[0]}, {spec.fold[1]}),)"
-        n = spec.node
-        by_vid = {vid: self.expr(src) for vid, src in zip(n.inputs, spec.inputs)}
-
-        def one(v):
-            if isinstance(v, Ref):
-                return by_vid[v.vid]
-            if isinstance(v, StorageRef):
-                return f"{by_vid[v.vid]}.untyped_storage()"
-            if isinstance(v, (list, tuple)) and any(isinstance(x, Ref) for x in v):
-                inner = ", ".join(one(x) for x in v)
-                return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
-            return _constant(v, ns)
-        if n.kind == "collective":
-            leaves, tree = n.args
-            ns[f"SPEC{tid}"], ns[f"COLL{tid}"] = tree, getattr(self.rt.world, n.target)
-            return f"tuple(_flat(COLL{tid}(*_unflat([{', '.join(one(x) for x in leaves)}], SPEC{tid})))[0])"
-        args, kwargs = n.args
-        ns[f"OP{tid}"] = recycled(n.target, t.k) or n.target._op
-        call = ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
-        if n.out_slots is None:
-            return f"(OP{tid}({call}),)"
-        ns[f"_pick{tid}"] = _picker(n.out_slots)
-        return f"_pick{tid}(OP{tid}({call}))"
-
-    def releases(self) -> dict:
-        """consumer id -> the tasks of this stream whose register it reads last: once it has run, the
-        slot holds nothing anyone needs, so it is emptied then (the memory goes back as eagerly as
-        in an eager run), not when the next iteration overwrites it. Registers read from other
-        streams are kept until overwritten."""
-        order = {t.spec.id: i for i, t in enumerate(self.stream.tasks)}
-        release: dict = {}
-        for t in self.stream.tasks:
-            if t.waits_credit or t.events is not None:
-                continue
-            last = max((c.spec.id for c in t.consumers), key=order.__getitem__, default=t.spec.id)
-            release.setdefault(last, []).append(t.spec.id)
-        return release
-
-    def emit(self, line: str, task=None) -> None:
-        self.lines.append("    " + line)
-        if task is not None:
-            self.line_task[len(self.lines) + 1] = task
-
-    def build(self):
-        rt = self.rt
-        release = self.releases()
-        for k in self.moduli:
-            if k > 1:
-                self.emit(f"s{k} = it % {k}")
-        for t in self.stream.tasks:
-            tid = t.spec.id
-            self.ns[f"T{tid}"] = t
-            self.emit(f"# {t.name}")
-            if t.waits_in or t.waits_credit:
-                self.ns[f"W{tid}"] = rt._waiter(self.stream, t)
-                self.emit(f"W{tid}(it)", t)
-            if t.cuda_waits:
-                self.ns[f"CW{tid}"] = rt._cuda_waiter(t)
-                self.emit(f"CW{tid}(it)", t)
-            if rt.timeline_on:
-                self.emit("t0 = CLOCK()")
-            self.emit(f"o{tid} = {self.call(t)}", t)
-            self.here.add(tid)
-            self.emit(f"T{tid}.regs[{self.slot(t.k)}] = o{tid}")
-            for j, slot in t.sinks:
-                self.emit(f"ROW[{slot}] = o{tid}[{j}]")
-            if t.events is not None:
-                self.ns[f"PUB{tid}"] = rt._cuda_publisher(t)
-                self.emit(f"PUB{tid}(it, o{tid})", t)
-            if rt.timeline_on:
-                self.emit(f"TL.append((SN, {t.name!r}, it, t0, CLOCK()))")
-            self.emit(f"T{tid}.done = it + 1")
-            for p in release.get(tid, ()):
-                self.emit(f"T{p}.regs[{self.slot(rt.tasks[p].k)}] = o{p} = None")
-            for i, s in enumerate(t.notify):
-                self.ns[f"N{tid}_{i}"] = s.cond
-                self.emit(f"with N{tid}_{i}: N{tid}_{i}.notify_all()")
-            if rt.measure:
-                self.ns["MEASURE"] = rt._sample_memory
-                self.emit("MEASURE()")
-        if any(t.sinks for t in self.stream.tasks):
-            self.lines.insert(0, "    ROW = RESULTS[it]")
-            self.line_task = {k + 1: v for k, v in self.line_task.items()}
-        source = "def iteration(it, RESULTS):\n" + "\n".join(self.lines or ["    pass"]) + "\n"
-        exec(compile(source, f"<stream {self.stream.name}>", "exec"), self.ns)
-        return self.ns["iteration"]
-
-
-def _picker(slots: list):
-    def pick(o):
-        return tuple(o[j] for j in slots)
-    return pick
-
-
 class Runtime:
     """One compiled graph's actors, streams and threads; ``run`` feeds it iterations."""
 
@@ -277,6 +127,7 @@ class Runtime:
                 t.stream = self.streams[name]
         self._wire()
         self.results: dict = {}
+        self.stored: list = []          # the tasks whose outputs sit in their registers (stream_code.py)
         # the caller's thread is the thread of the busiest CPU stream while a run lasts: a graph on
         # one stream then runs with no hand-off between threads at all
         cpu = [s for s in self.streams.values() if s.device is None]
@@ -327,17 +178,21 @@ class Runtime:
                 t.events = t.events or [None] * t.k
         for t in tasks:
             t.notify = list({id(s): s for s in t.notify if s is not t.stream}.values())
+        # the tasks whose ``done`` another stream, a credit or the feed reads; others need not count
+        self.done_read = ({p for t in tasks for p, _ in t.waits_in if isinstance(p, Task)}
+                          | {c for t in tasks for c in t.waits_credit} | set(self.feed.consumers))
 
     # -- threads --------------------------------------------------------------------------
     def _start(self) -> None:
         for s in self.streams.values():
             if s.code is None:
-                code = _StreamCode(self, s)
+                code = StreamCode(self, s)
                 s.code, s.line_task = code.build(), code.line_task
+                self.stored.extend(code.stored)
             if s.thread is None and s is not self.inline:
                 s.thread = threading.Thread(target=self._loop, args=(s,), name=f"gt-actor-{s.name}", daemon=True)
                 s.thread.start()
-                _stop_at_exit(self)
+                stop_at_exit(self)
 
     def close(self) -> None:
         for s in self.streams.values():
@@ -476,9 +331,22 @@ class Runtime:
 
     # -- a run ----------------------------------------------------------------------------
     def run(self, feeds: List[list], sink_count: int) -> List[list]:
-        """Run ``len(feeds)`` iterations, overlapping as the credits allow; each iteration's sink values."""
+        """Run ``len(feeds)`` iterations, overlapping as the credits allow; each iteration's sink values.
+
+        Python's cyclic garbage collector is paused meanwhile: the graph's ops make tensors by the
+        ten thousand and no reference cycle, and each collection would walk the graph's own objects
+        (tens of thousands of tasks on a simulated mesh of 64 ranks); it runs again after."""
         if self.failed is not None:
             raise GraphError("globaltensor: this compiled graph failed before and cannot run again")
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(feeds, sink_count)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, feeds: List[list], sink_count: int) -> List[list]:
         self._start()
         base = self.feed.done
         n = len(feeds)
@@ -524,7 +392,7 @@ class Runtime:
                 s.end_event = None
         results = [self.results[base + i] for i in range(n)]
         self.results = {}
-        for t in self.tasks:
+        for t in self.stored:
             t.regs = [None] * t.k
         self.feed.regs = [None] * self.feed.k
         return results
@@ -560,33 +428,6 @@ class Runtime:
         e, t = self.failed
         self.stop()
         raise GraphError(_failure_text(e, t)) from e
-
-
-_RUNNING: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
-_hooked = False
-
-
-def _stop_at_exit(runtime: Runtime) -> None:
-    """Stop ``runtime``'s threads when the program ends, before the process world destroys its groups.
-
-    A stream thread of a CUDA graph holds its CUDA stream and may hold NCCL work; left running (a
-    daemon thread) while the interpreter finalizes and the process groups are destroyed, it aborts
-    the process ("terminate called without an active exception"). atexit runs the last registered
-    hook first, and the first runtime starts after its world exists, so this runs before the
-    world's shutdown: every thread is joined and the device synchronized."""
-    global _hooked
-    if not _hooked:
-        _hooked = True
-        atexit.register(_stop_all)
-    _RUNNING.add(runtime)
-
-
-def _stop_all() -> None:
-    for runtime in list(_RUNNING):
-        runtime.stop()
-    _RUNNING.clear()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def _failure_text(e: BaseException, t) -> str:

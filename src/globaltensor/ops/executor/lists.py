@@ -21,7 +21,7 @@ import torch
 from ...comm import current as _current
 from ...comm import get_world
 from ...sbp import broadcast
-from ...tensor import GlobalTensor, box, replicate, wrap_result, write_into
+from ...tensor import GlobalTensor, box, replicate, wrap_fresh, write_into
 from ..boxed_copy import box_input
 from ..decide.decision import Decision
 from ..foreach import element_call
@@ -48,6 +48,10 @@ class ListRunner:
         self.whole = {s: [t for _, t in pairs] for s, pairs in self.checks if [i for i, _ in pairs] == list(range(n))}
         self.view_checked = [s for s, slot in enumerate(slots) if slot.written and slot.per_element and slot.tensors]
         self.shared, self.groups, self.solo, self.out_layouts = plan.shared, plan.groups, plan.solo, plan.out_layouts
+        if self.out_layouts is not None:
+            self.group_layouts = [[self.out_layouts[i] for i in elements] for _, elements in self.groups]
+        # the whole list in one group, in order: its wrapped results are the result as they are
+        self.one_group = len(self.groups) == 1 and self.groups[0][1] == list(range(n)) and not self.solo
         self._world = None
 
     def __call__(self, args, kwargs):
@@ -57,17 +61,25 @@ class ListRunner:
         if self.kind == "unscale":
             args, kwargs, given_found = self._plain_found_inf(args, kwargs)
         values, boxed = self._inputs(args, kwargs)
-        results: Dict[int, dict] = {}
-        for placement, elements in self.groups:
-            for device, ranks in self._devices[placement]:
-                self._run_group(args, kwargs, values, elements, device, ranks, results)
+        outputs = None if self.out_layouts is None else [None] * self.n
+        for g, (placement, elements) in enumerate(self.groups):
+            runs = [(device, ranks, self._run_group(args, kwargs, values, elements, device, ranks))
+                    for device, ranks in self._devices[placement]]
+            if outputs is not None:
+                wrapped = self._wrapped(self.group_layouts[g], runs)
+                if self.one_group:
+                    outputs = wrapped
+                else:
+                    for i, w in zip(elements, wrapped):
+                        outputs[i] = w
         if self.kind == "unscale":
             self._agree_found_inf(args, kwargs, given_found)
         self._write_back(args, kwargs, boxed)
-        solo = {i: self._run_solo(args, kwargs, i) for i in self.solo}
-        if self.out_layouts is None:
-            return None
-        return [solo[i] if i in solo else self._wrap(i, results.get(i, {})) for i in range(self.n)]
+        for i in self.solo:
+            result = self._run_solo(args, kwargs, i)
+            if outputs is not None:
+                outputs[i] = result
+        return outputs
 
     def _inputs(self, args, kwargs) -> tuple:
         """Every element tensor in its target layout: ``{(slot, element): GlobalTensor}`` for those
@@ -97,7 +109,8 @@ class ListRunner:
                     values[s, i] = box(replicate(v, target.placement), target)
         return values, boxed
 
-    def _run_group(self, args, kwargs, values, elements, device, ranks, results) -> None:
+    def _run_group(self, args, kwargs, values, elements, device, ranks):
+        """One call of the op over the group's elements on the ranks held on ``device``; its result."""
         a, kw = list(args), dict(kwargs)
         for s, slot in enumerate(self.slots):
             v = slot.get(args, kwargs)
@@ -111,13 +124,29 @@ class ListRunner:
                 a[slot.key] = v
             else:
                 kw[slot.key] = v
-        out = self.call(*a, **kw)
-        if self.out_layouts is not None:
-            k = 0
-            for r in ranks:
-                for i in elements:
-                    results.setdefault(i, {})[r] = out[k]
-                    k += 1
+        return self.call(*a, **kw)
+
+    @staticmethod
+    def _wrapped(layouts: list, runs: list) -> list:
+        """A group's results as global tensors, one wrap each: ``runs`` holds each device's
+        ``(device, ranks, result list)``, the results rank after rank. A list op's results alias
+        nothing (``_foreach_sqrt``, ``_foreach_add.List``): fresh tensors of the caller's mode."""
+        m = len(layouts)
+        if len(runs) == 1:
+            device, ranks, out = runs[0]
+            if len(ranks) == 1:
+                r = ranks[0]
+                return [wrap_fresh(layout, {r: o}, device, o) for layout, o in zip(layouts, out)]
+            return [wrap_fresh(layout, {r: out[k * m + j] for k, r in enumerate(ranks)}, device, out[j])
+                    for j, layout in enumerate(layouts)]
+        pieces = [{} for _ in layouts]
+        for _, ranks, out in runs:
+            for k, r in enumerate(ranks):
+                for j in range(m):
+                    pieces[j][r] = out[k * m + j]
+        device = runs[0][0] if runs else None
+        return [wrap_fresh(layout, p, device, next(iter(p.values()))) if p else GlobalTensor(layout, p)
+                for layout, p in zip(layouts, pieces)]
 
     def _element_values(self, s: int, slot, v, values, elements, ranks):
         """The slot's values of the group's elements, rank after rank."""
@@ -129,7 +158,10 @@ class ListRunner:
         if slot.all_global and not values:
             picked = v if len(elements) == len(v) else [v[i] for i in elements]
             pieces = list(map(_PIECES_OF, picked))
-            return [p for r in ranks for p in map(itemgetter(r), pieces)]
+            out = []
+            for r in ranks:
+                out.extend(map(itemgetter(r), pieces))
+            return out
         out = []
         for n, r in enumerate(ranks):
             for i in elements:
@@ -200,17 +232,10 @@ class ListRunner:
         op, a, kw = element_call(self.func, args, kwargs, i, self.n)
         return op(*a, **kw)
 
-    def _wrap(self, i: int, pieces: dict):
-        layout = self.out_layouts[i]
-        piece = next(iter(pieces.values()), None)
-        if piece is None:
-            return GlobalTensor(layout, pieces)
-        return wrap_result(layout, pieces, self._device_of[layout.placement], piece)
-
     def _held(self) -> None:
         """Per placement: ``[(device, [ranks held here on it])]``, in rank order."""
         world = self._world = get_world()
-        self._devices, self._device_of = {}, {}
+        self._devices = {}
         placements = {p for p, _ in self.groups} | {lay.placement for lay in (self.out_layouts or {}).values()}
         for placement in placements:
             by_device: Dict[torch.device, list] = {}
@@ -218,7 +243,6 @@ class ListRunner:
                 if world.holds(r):
                     by_device.setdefault(world.device(placement.type, r), []).append(r)
             self._devices[placement] = list(by_device.items())
-            self._device_of[placement] = next(iter(by_device), None)
 
 
 def install_foreach_support() -> None:

@@ -21,7 +21,8 @@ runs the plain op where a rank holds the whole vocabulary.
 - ``S(n), B -> S(1)``: the embedding dim split.
 - ``B, B -> S(0)``: each rank makes the gradient of its vocabulary range (so a vocab-split
   table gets its gradient as S(0), with no communication), from the ids in its range only --
-  the op runs on those rows alone, so ``padding_idx`` and frequency counts stay exact.
+  the others go to an extra row that is cut off, so ``padding_idx`` and frequency counts stay
+  exact and no shape depends on the ids.
 - ``P, B -> P``: linear in the gradient.
 
 An id outside ``[0, V)`` raises on one device; under the vocabulary split no rank owns it and
@@ -30,13 +31,16 @@ its row is zero instead.
 ``embedding_renorm_(weight, indices, max_norm, norm_type)`` (``nn.Embedding(max_norm=...)``)
 scales, in place, each looked-up row whose norm exceeds ``max_norm``. A row's norm is over the
 embedding dim, so only the vocabulary split is exact: ``S(0), B -> S(0)``, each rank renorming
-the rows in its range (the ids shifted by ``-lo``, the others dropped) -- a kernel, as for
-the lookup. The weight keeps its layout: one split along the embedding dim is gathered for
+the rows in its range (the ids shifted by ``-lo``, the others sent to a zero row that is never
+renormed) -- a kernel, as for the lookup. The weight keeps its layout: one split along the embedding dim is gathered for
 the functional ``embedding_renorm`` and the result written back into its pieces.
 """
 from __future__ import annotations
 
+import torch
+
 from ..registry import aten, register_rule
+from ..schema.op_record import record
 from .common import B, P, S, bind, sig
 
 
@@ -81,6 +85,9 @@ def _dense_backward_candidates(grad_output, indices, num_weights, padding_idx, s
 
 
 def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
+    """Each rank scatters the rows of the ids in its vocabulary range, shifted by ``-lo``; the other
+    ids go to one extra row past the range, cut off after, so the shapes do not depend on the ids
+    (a captured graph runs it) and ``padding_idx`` and the frequency counts stay exact."""
     vocab = outs[0].shape[0]
     results = {}
     for r, (ra, rkw) in calls.items():
@@ -89,11 +96,10 @@ def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
             results[r] = func(*ra, **rkw)
             continue
         a = bind(func, ra, rkw)
-        grad, ids = a["grad_output"], a["indices"]
-        inside = ((ids >= lo) & (ids < lo + n)).reshape(-1)
-        rows = grad.reshape(-1, grad.shape[-1])[inside]
-        results[r] = func(rows, ids.reshape(-1)[inside] - lo, n, _local_padding(a["padding_idx"], lo, n),
-                          a["scale_grad_by_freq"])
+        ids = a["indices"]
+        local_ids = (ids - lo).masked_fill_((ids < lo) | (ids >= lo + n), n)
+        results[r] = func(a["grad_output"], local_ids, n + 1, _local_padding(a["padding_idx"], lo, n),
+                          a["scale_grad_by_freq"])[:n]
     return results
 
 
@@ -101,16 +107,22 @@ register_rule(aten.embedding_dense_backward.default, _dense_backward_candidates,
 
 
 def _renorm_kernel(func, args, kwargs, ins, outs, calls):
-    """Each rank renorms the rows of its vocabulary range: the ids inside it, shifted by ``-lo``."""
+    """Each rank renorms the rows of its vocabulary range: the ids inside it, shifted by ``-lo``. The
+    other ids go to a zero row appended to a copy of the piece (a zero row is never renormed), so
+    the shapes do not depend on the ids; the piece then takes the copy's rows."""
     vocab = ins[0].shape[0]
     results = {}
     for r, (ra, rkw) in calls.items():
         a = bind(func, ra, rkw)
         lo, n = ins[0].box(r)[0]
-        ids = a["indices"]
-        if (lo, n) != (0, vocab):
-            ids = ids[(ids >= lo) & (ids < lo + n)] - lo
-        results[r] = func(a["self"], ids, a["max_norm"], a["norm_type"])
+        weight, ids = a["self"], a["indices"]
+        if (lo, n) == (0, vocab):
+            results[r] = func(weight, ids, a["max_norm"], a["norm_type"])
+            continue
+        local_ids = (ids - lo).masked_fill_((ids < lo) | (ids >= lo + n), n)
+        padded = torch.cat([weight, weight.new_zeros((1,) + tuple(weight.shape[1:]))])
+        renormed = func(padded, local_ids, a["max_norm"], a["norm_type"])[:n]
+        results[r] = weight.copy_(renormed) if record(func).in_place else renormed
     return results
 
 

@@ -1,0 +1,216 @@
+"""The Python source of one stream's iteration, generated once per compiled graph: its tasks' ops in
+static order, straight-line (runtime.py runs it on the stream's thread).
+
+A task's inputs are read from the producer's register (``T7.regs[it % 2][0]``), or from a local
+when the producer ran earlier in the same generated function of this stream; its outputs go to its
+own register only where something else reads it (another stream or function, the memory sampler),
+and its ``done`` counter is kept only where another stream or the caller waits on it. Waits, events,
+timeline entries and notifications appear only where a task has them, so the common task costs
+its op call and a local store.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .bindings import fast_call
+from .graph import Ref, StorageRef
+from .recycle import recycled
+
+
+PART = 256      # tasks per generated function
+
+
+def _fold(acc, x, j: int, m: int):
+    """Step ``j`` of the mean over ``m`` micro-batches: ``acc`` holds the sum of the ones before."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return x                                 # counts and indices: the last micro-batch's
+    out = acc + x if j == 1 else acc.add_(x)
+    return out.div_(m) if j == m - 1 else out
+
+
+def _constant(v, namespace: dict) -> str:
+    if v is None or type(v) in (bool, int):
+        return repr(v)
+    name = f"K{len(namespace)}"
+    namespace[name] = v
+    return name
+
+
+class StreamCode:
+    """Builds one stream's ``iteration(it, RESULTS)`` function (see the module's docstring)."""
+
+    def __init__(self, runtime, stream):
+        self.rt, self.stream = runtime, stream
+        self.ns = {"_fold": _fold, "_flat": tree_flatten, "_unflat": tree_unflatten, "F": runtime.feed,
+                   "CLOCK": time.perf_counter, "TL": runtime.timeline, "SN": stream.name}
+        self.lines: list = []
+        self.line_task: dict = {}
+        self.here: set = set()
+        self.moduli = sorted({t.k for t in stream.tasks} | {runtime.feed.k} |
+                             {runtime.tasks[src[1]].k for t in stream.tasks for src in t.spec.inputs if src[0] == "task"})
+
+    def slot(self, k: int) -> str:
+        return "0" if k == 1 else f"s{k}"
+
+    def expr(self, src) -> str:
+        if src[0] == "const":
+            return _constant(src[1], self.ns)
+        if src[0] == "feed":
+            return f"F.regs[{self.slot(self.rt.feed.k)}][{self.rt.feed_index[src[1]]}]"
+        tid, out = src[1], src[2]
+        if tid in self.here:
+            return f"o{tid}[{out}]"
+        self.ns[f"T{tid}"] = self.rt.tasks[tid]
+        return f"T{tid}.regs[{self.slot(self.rt.tasks[tid].k)}][{out}]"
+
+    def call(self, t) -> str:
+        spec, ns, tid = t.spec, self.ns, t.spec.id
+        if spec.node is None:
+            acc, x = (self.expr(src) for src in spec.inputs)
+            return f"(_fold({acc}, {x}, {spec.fold[0]}, {spec.fold[1]}),)"
+        n = spec.node
+        by_vid = {vid: self.expr(src) for vid, src in zip(n.inputs, spec.inputs)}
+
+        def one(v):
+            if isinstance(v, Ref):
+                return by_vid[v.vid]
+            if isinstance(v, StorageRef):
+                return f"{by_vid[v.vid]}.untyped_storage()"
+            if isinstance(v, (list, tuple)) and any(isinstance(x, Ref) for x in v):
+                inner = ", ".join(one(x) for x in v)
+                return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
+            return _constant(v, ns)
+        if n.kind == "collective":
+            leaves, tree = n.args
+            ns[f"SPEC{tid}"], ns[f"COLL{tid}"] = tree, getattr(self.rt.world, n.target)
+            return f"tuple(_flat(COLL{tid}(*_unflat([{', '.join(one(x) for x in leaves)}], SPEC{tid})))[0])"
+        args, kwargs = n.args
+        ns[f"OP{tid}"] = recycled(n.target, t.k) or _binding(n) or n.target._op
+        call = ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+        if n.out_slots is None:
+            return f"(OP{tid}({call}),)"
+        ns[f"_pick{tid}"] = _picker(n.out_slots)
+        return f"_pick{tid}(OP{tid}({call}))"
+
+    def releases(self) -> dict:
+        """consumer id -> the tasks of this stream whose register it reads last: once it has run, the
+        slot holds nothing anyone needs, so it is emptied then (the memory goes back as eagerly as
+        in an eager run), not when the next iteration overwrites it. Registers read from other
+        streams are kept until overwritten."""
+        order = {t.spec.id: i for i, t in enumerate(self.stream.tasks)}
+        release: dict = {}
+        for t in self.stream.tasks:
+            if t.waits_credit or t.events is not None:
+                continue
+            last = max((c.spec.id for c in t.consumers), key=order.__getitem__, default=t.spec.id)
+            release.setdefault(last, []).append(t.spec.id)
+        return release
+
+    def emit(self, line: str, task=None) -> None:
+        self.lines.append("    " + line)
+        if task is not None:
+            self.line_task[len(self.lines)] = task
+
+    def _stores(self, t, part_of: dict) -> bool:
+        """Whether ``t``'s output must sit in its register: read by a task of another stream or of
+        another part of this one, measured, published to a CUDA stream, or fed back across
+        iterations. A register read only by later tasks of its own part lives in a local."""
+        return bool(self.rt.measure or t.waits_credit or t.events is not None or
+                    any(c.stream is not t.stream or part_of[c.spec.id] != part_of[t.spec.id] for c in t.consumers))
+
+    def build(self):
+        """One function per run of PART tasks (a function of tens of thousands of lines runs slower
+        than the same lines in functions of a few hundred), and ``iteration`` calling them in order."""
+        tasks = self.stream.tasks
+        release = self.releases()
+        part_of = {t.spec.id: i // PART for i, t in enumerate(tasks)}
+        self.stored = [t for t in tasks if self._stores(t, part_of)]
+        stored = {t.spec.id for t in self.stored}
+        parts = []
+        for first in range(0, len(tasks), PART):
+            part = tasks[first:first + PART]
+            name = f"part{first // PART}"
+            parts.append(name)
+            self.lines.append(f"def {name}(it, RESULTS):")
+            if any(t.sinks for t in part):
+                self.emit("ROW = RESULTS[it]")
+            for k in self.moduli:
+                if k > 1:
+                    self.emit(f"s{k} = it % {k}")
+            self.here = set()
+            for t in part:
+                self._task(t, release, stored, part_of)
+            self.emit("pass")
+        self.lines.append("def iteration(it, RESULTS):")
+        self.lines.extend(f"    {name}(it, RESULTS)" for name in parts)
+        self.lines.append("    pass")
+        exec(compile("\n".join(self.lines) + "\n", f"<stream {self.stream.name}>", "exec"), self.ns)
+        return self.ns["iteration"]
+
+    def _task(self, t, release: dict, stored: set, part_of: dict) -> None:
+        rt, tid = self.rt, t.spec.id
+        self.ns[f"T{tid}"] = t
+        self.emit(f"# {t.name}")
+        if t.waits_in or t.waits_credit:
+            self.ns[f"W{tid}"] = rt._waiter(self.stream, t)
+            self.emit(f"W{tid}(it)", t)
+        if t.cuda_waits:
+            self.ns[f"CW{tid}"] = rt._cuda_waiter(t)
+            self.emit(f"CW{tid}(it)", t)
+        if rt.timeline_on:
+            self.emit("t0 = CLOCK()")
+        self.emit(f"o{tid} = {self.call(t)}", t)
+        self.here.add(tid)
+        if tid in stored:
+            self.emit(f"T{tid}.regs[{self.slot(t.k)}] = o{tid}")
+        for j, slot in t.sinks:
+            self.emit(f"ROW[{slot}] = o{tid}[{j}]")
+        if t.events is not None:
+            self.ns[f"PUB{tid}"] = rt._cuda_publisher(t)
+            self.emit(f"PUB{tid}(it, o{tid})", t)
+        if rt.timeline_on:
+            self.emit(f"TL.append((SN, {t.name!r}, it, t0, CLOCK()))")
+        if t in rt.done_read:
+            self.emit(f"T{tid}.done = it + 1")
+        for p in release.get(tid, ()):
+            local = f"o{p} = None" if part_of[p] == part_of[tid] else ""
+            register = f"T{p}.regs[{self.slot(rt.tasks[p].k)}] = " if p in stored else ""
+            if local or register:
+                self.emit(register + (local or "None"))
+        for i, s in enumerate(t.notify):
+            self.ns[f"N{tid}_{i}"] = s.cond
+            self.emit(f"with N{tid}_{i}: N{tid}_{i}.notify_all()")
+        if rt.measure:
+            self.ns["MEASURE"] = rt._sample_memory
+            self.emit("MEASURE()")
+
+
+def _binding(n):
+    """The op's Python binding where it provably dispatches the node's overload (bindings.py)."""
+    if any(m is None for m in n.metas.values()):
+        return None
+
+    def meta(v):
+        if isinstance(v, Ref):
+            shape, strides, _, dtype = n.metas[v.vid]
+            return torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+        if isinstance(v, StorageRef):
+            raise LookupError
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        return v
+    args, kwargs = n.args
+    try:
+        meta_args, meta_kwargs = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
+    except LookupError:                 # a storage argument (set_): the op's own call
+        return None
+    return fast_call(n.target, meta_args, meta_kwargs)
+
+
+def _picker(slots: list):
+    def pick(o):
+        return tuple(o[j] for j in slots)
+    return pick
