@@ -31,6 +31,7 @@ import models
 import optimizer
 import scale
 import subclass_floor
+import torch_compile
 import tp_mlp
 
 MB4 = 1024                      # boxing: a 1024 x 1024 fp32 tensor, 4 MB
@@ -68,6 +69,10 @@ JOBS = {
                   lambda q: H.spawn(optimizer._worker_sim, 0, q)),
     "scale": ("GPT step eager and gt.compile on 4, 16, 64 simulated ranks, 1 process",
               lambda q: H.spawn(scale._worker, 0, q, timeout=3600)),
+    "tc_dp": ("torch.compile DP GPT step (n_embd 256), 2 processes",
+              lambda q: H.spawn(torch_compile._worker, 2, "dp", q, timeout=1800)),
+    "tc_tp": ("torch.compile TP GPT step (n_embd 256), 2 processes",
+              lambda q: H.spawn(torch_compile._worker, 2, "tp", q, timeout=1800)),
     "gpu": ("GPT training step on one GPU (CUDA only)", lambda q: H.spawn(gpu._worker, 0, q)),
 }
 
@@ -199,6 +204,14 @@ def optimizer_sim_rows(res) -> list:
                 H.paired_ratio(r["times"]["gt"], r["times"]["plain"]), 1.2) for n, r in res.items()]
 
 
+def torch_compile_rows(part: str, res) -> list:
+    """torch_compile.py's own summary rows for ``part`` (its tables are not printed here)."""
+    summary: list = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        torch_compile.report(part, res, summary)
+    return [[f"torch.compile {r[0]}"] + r[1:] for r in summary]
+
+
 def scale_rows(res) -> list:
     """gt.compile beside eager on simulated meshes (scale.py): compiled at most 0.8x eager."""
     return [row(f"{kind} GPT step, {n} simulated ranks: gt.compile vs eager", f"{H.fmt(r['times']['compiled'])} ms",
@@ -236,6 +249,8 @@ MEASURES = [
     Measure("optim", optimizer_rows),
     Measure("optim_sim", optimizer_sim_rows),
     Measure("scale", scale_rows),
+    Measure("tc_dp", lambda res: torch_compile_rows("dp", res)),
+    Measure("tc_tp", lambda res: torch_compile_rows("tp", res)),
     Measure("gpu", gpu_rows),
 ]
 

@@ -140,6 +140,19 @@ def _launch_fixture():
 
 
 @pytest.fixture
+def float64():
+    """float64 by default for the test, and the global random factories seeded: "equal" then
+    means equal up to the last bits (and exactly where only data moves)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    gt.manual_seed(0)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.fixture
 def world4():
     """A 4-rank simulated world for the test."""
     with gt.simulate(4) as w:
@@ -156,3 +169,36 @@ def p1(world4):
 def p2(world4):
     """A 2x2 placement, in a 4-rank simulated world."""
     return gt.placement("cpu", [[0, 1], [2, 3]])
+
+
+# Tests that run at the development pin only (`make test`), not at the ends of the torch range
+# (`make test-compat` deselects the ``pin_only`` marker): their subject is the library's own process
+# management, failure propagation and thread scheduling, or they repeat on launched processes what
+# another test checks on a simulated world and a 2-process one. What exercises torch itself -- ops,
+# autograd, Dynamo, gloo's collectives and timeouts, torchrun, DCP, DTensor -- runs at every end.
+# They take about a third of the suite's time, which CI's three runs could not afford.
+PIN_ONLY = (
+    "tests/launch/test_launch.py::test_success_sets_env_and_prefixes_every_line",
+    "tests/launch/test_launch.py::test_nonzero_exit_ends_the_job_fast",
+    "tests/launch/test_launch.py::test_death_by_signal_ends_the_job_fast",
+    "tests/launch/test_launch.py::test_rank_ignoring_sigterm_is_killed_after_the_grace_period",
+    "tests/launch/test_launch.py::test_timeout_kills_the_job_and_names_running_ranks",
+    "tests/launch/test_launch.py::test_sigterm_to_the_launcher_stops_its_ranks",
+    "tests/launch/test_launch.py::test_module_mode_default_port_and_given_addr",
+    "tests/multiprocess/test_compiled.py::test_op_raising_",
+    "tests/multiprocess/test_killed_rank.py::test_killed_rank_ends_a_compiled_launched_job",
+    "tests/multiprocess/test_comm_profile_launched.py::",
+    "tests/multiprocess/test_same_program.py::",
+    "tests/training/test_demo_launch.py::",
+    "tests/docs/test_examples.py::",
+    "tests/docs/test_notebook.py::",
+    "tests/actor_rt/test_deadlock_freedom.py::",
+    "tests/actor_rt/test_simulated_scale.py::",
+    "tests/boxing/test_repeated_launched.py::",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(PIN_ONLY):
+            item.add_marker(pytest.mark.pin_only)

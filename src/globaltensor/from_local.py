@@ -16,6 +16,7 @@ from .placement import Placement
 from .sbp import as_nd_sbp, check_blocks
 from .sbp.shape import piece_shape
 from .boxing import Layout
+from .compat.dynamo import trace_through
 from .tensor import GlobalTensor, check_placement, box_like, gradient_layout, replicate
 
 
@@ -78,6 +79,7 @@ class _FromLocal(torch.autograd.Function):
         return g._pieces.get(get_world().local_ranks[0], torch.zeros(0)), None, None
 
 
+@trace_through
 def to_global(t: torch.Tensor, placement: Optional[Placement] = None, sbp=None, *, shape=None,
               grad_sbp=None) -> GlobalTensor:
     """A local tensor as this rank's piece of a global tensor, or a global tensor boxed to a new layout.
@@ -114,6 +116,7 @@ def _check_device(t: torch.Tensor, placement: Placement) -> None:
                          f"move it with .to('{placement.type}') first")
 
 
+@trace_through
 def distribute(t: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
     """``t`` is the whole logical tensor (equal on every rank); each rank keeps its own slice.
 
@@ -153,4 +156,4 @@ def install_tensor_methods() -> None:
     def tensor_to_global(self, placement=None, sbp=None, **kwargs):
         return to_global(self, placement, sbp, **kwargs)
 
-    torch.Tensor.to_global = tensor_to_global
+    torch.Tensor.to_global = trace_through(tensor_to_global)

@@ -11,12 +11,15 @@ from typing import Callable, Optional
 import torch
 
 from .boxing import Layout, execute, plan_boxing
+from .compat.dynamo import constant, trace_through
 from .boxing.executor import ready
 from .comm import collective_call, get_world
 from .comm import current as _current
 from .observe.context import run_labelled
 from .placement import Placement
-from .sbp import as_nd_sbp, broadcast, check_blocks
+from .sbp import Broadcast, PartialSum, Split, as_nd_sbp, broadcast, check_blocks
+
+_PIECE = "_piece_"          # the inner tensors' names of __tensor_flatten__: _piece_<rank>
 
 def set_dispatcher(fn: Callable) -> None:
     """Install ``fn(cls, func, types, args, kwargs)`` as ``__torch_dispatch__`` (the ops layer's)."""
@@ -235,6 +238,31 @@ class GlobalTensor(torch.Tensor):
         with collective_call("item()", self.placement):
             return self._full_tensor().item()
 
+    # -- tracing by torch.compile ---------------------------------------------------------
+    def __tensor_flatten__(self):
+        """The traceable wrapper subclass protocol: the pieces of the ranks this process holds as
+        the inner tensors (``_piece_<rank>``; one in a process world, one per simulated rank in a
+        simulated one), the layout and those ranks as the (hashable) context."""
+        ranks = tuple(sorted(self._pieces))
+        names = [f"{_PIECE}{r}" for r in ranks]
+        for r, name in zip(ranks, names):
+            if not hasattr(GlobalTensor, name):
+                setattr(GlobalTensor, name, property(lambda t, r=r: t._pieces[r], doc=f"rank {r}'s piece"))
+        return names, (self._layout, ranks)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, context: tuple, outer_size, outer_stride) -> "GlobalTensor":
+        layout, ranks = context
+        return GlobalTensor(layout, {r: inner[f"{_PIECE}{r}"] for r in ranks})
+
+    def __coerce_same_metadata_as_tangent__(self, context: tuple, expected_type=None):
+        """A gradient arriving in another layout than the one the traced backward expects (a
+        partial loss's gradient comes broadcast): boxed to it."""
+        if expected_type is not None:
+            return None
+        layout = context[0]
+        return self if self._layout == layout else box(self, layout)
+
     # -- conversion -----------------------------------------------------------------------
     def to_global(self, placement: Optional[Placement] = None, sbp=None, *, grad_sbp=None) -> "GlobalTensor":
         """Box to ``placement`` / ``sbp`` (either may be left out to keep it); differentiable.
@@ -267,6 +295,12 @@ class GlobalTensor(torch.Tensor):
         nd = as_nd_sbp(sbp, placement.ndim, self.dim(), "to_global(sbp)")
         check_blocks(self.shape, placement.hierarchy, nd, "to_global(sbp)")
         return Layout(tuple(self.shape), self.dtype, placement, nd)
+
+
+trace_through(GlobalTensor.full_tensor)
+constant(Placement, lambda p: (Placement, (p.type, p.ranks.tolist())))
+for _cls in (Split, Broadcast, PartialSum):
+    constant(_cls, _cls.__reduce__)
 
 
 class _Direct:

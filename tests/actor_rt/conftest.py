@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 import globaltensor as gt
 
@@ -19,15 +18,8 @@ if _NN_TESTS not in sys.path:                  # nn_models: the Megatron-plannab
 
 
 @pytest.fixture(autouse=True)
-def float64():
-    """float64 by default for the test, and the global random factories seeded."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    gt.manual_seed(0)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+def every_test_in_float64(float64):
+    """The suite's ``float64`` fixture (tests/conftest.py) for every test here."""
 
 
 @pytest.fixture

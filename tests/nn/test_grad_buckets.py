@@ -223,3 +223,20 @@ def test_a_gradient_still_held_keeps_its_value_when_the_next_backward_buckets(p1
     assert torch.equal(kept.full_tensor(), value)
     assert _storages(m) != before
     torch.testing.assert_close(m.blocks[0].up.weight.grad.full_tensor(), 4 * value, rtol=0, atol=0)
+
+
+def test_one_rank_piece_still_held_leaves_the_other_ranks_buffers_free_to_fill(p1):
+    """Buffers are told apart by identity: with rank 0's piece of a gradient kept, the next backward
+    fills the three free buffers again and takes new memory for the fourth."""
+    m = gnn.distribute_module(net().double(), p1, {})
+    x = gt.randn(8, 6, placement=p1, sbp=S(0), dtype=torch.float64)
+    m(x).square().mean().backward()
+    kept = m.blocks[0].up.weight.grad.to_local(rank=0)
+    value = kept.clone()
+    before = _storages(m)
+    m.zero_grad()
+    (2 * m(x)).square().mean().backward()
+    assert torch.equal(kept, value)
+    old, new = ({a for per_rank in s.values() for a in per_rank.values()} for s in (before, _storages(m)))
+    assert kept.untyped_storage().data_ptr() in old - new
+    assert len(old & new) == 3, "the three free buffers are filled again"

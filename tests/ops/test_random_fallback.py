@@ -25,6 +25,8 @@ DRAWS = {
     "rrelu_functional": (lambda x: aten.rrelu_with_noise_functional(x, _noise(x), 0.1, 0.3, True),
                          "rrelu_with_noise_functional.default"),
     "normal_functional": (lambda x: aten.normal_functional(x, 0.5, 2.0), "normal_functional.default"),
+    # decomposed into a draw of a plain tensor, then taken by the fallback (executor/decompose.py)
+    "uniform_functional": (lambda x: aten.uniform(x, -1.0, 1.0), "uniform.default"),
     "poisson": (lambda x: torch.poisson(x.abs() * 4), "poisson.default"),
     "binomial": (lambda x: torch.binomial(torch.full(x.shape, 9.0), x.sigmoid()), "binomial.default"),
     "sample_dirichlet": (lambda x: torch._sample_dirichlet(x.abs() + 0.5), "_sample_dirichlet.default"),

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from ..sbp.shape import numel
 from .arrivals import ArrivalBoard, describe_missing
 from .buffers import own_block_out, pack, scratch
+from . import functional
 from .errors import CollectiveError, calling_hint
 from .timeouts import collective_timeout
-from .world import Started, World, tile_places
+from .world import Started, World, done, tile_places
 
 
 # torch 2.13 deprecates all_gather_into_tensor (a warning on every run) for all_gather_single.
@@ -220,6 +221,8 @@ class ProcessWorld(World):
         me = self.rank
         x = pieces[me]
         pg, order = self._pg(group)
+        if functional.traced(x):
+            return {me: functional.all_gather(x, pg, order, dim, sizes)}
         width = max(sizes)
         if x.shape[dim] < width:
             pad = list(x.shape)
@@ -241,6 +244,8 @@ class ProcessWorld(World):
         x = pieces[me]
         pg, order = self._pg(group)
         i_me = group.index(me)
+        if functional.traced(x):
+            return {me: functional.reduce_scatter(x, pg, order, i_me, dim, sizes)}
         if x.is_cuda:
             parts = list(torch.split(x, list(sizes), dim=dim))
             inputs = [None] * len(group)
@@ -281,6 +286,8 @@ class ProcessWorld(World):
         me = self.rank
         pg, _ = self._pg(group)
         t = pieces[me].contiguous()
+        if functional.traced(t):
+            return {me: t.copy_(functional.all_reduce(t, pg))}
         self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg))
         return {me: t}
 
@@ -288,6 +295,8 @@ class ProcessWorld(World):
         me = self.rank
         pg, _ = self._pg(group)
         t = pieces[me].contiguous()
+        if functional.traced(t):        # a functional collective's result is waited for where it is read
+            return done({me: functional.all_reduce(t, pg)})
         work = self._run("all_reduce", group, lambda: dist.all_reduce(t, group=pg, async_op=True))
 
         def finish():
@@ -302,6 +311,8 @@ class ProcessWorld(World):
         x = pieces[me].contiguous()
         pg, order = self._pg(group)
         i_me = group.index(me)
+        if functional.traced(x):
+            return done({me: functional.reduce_scatter(x, pg, order, i_me, 0, sizes)})
         parts = list(torch.split(x, list(sizes)))
         if x.is_cuda:
             inputs = [None] * len(group)
@@ -345,6 +356,12 @@ class ProcessWorld(World):
         device = mine[i_me].device
         out, dest = tile_places(tiles[me], dtype, device)
         received = [shapes[j][i_me] for j in range(len(group))]
+        if functional.traced(mine[i_me]):
+            pg, order = self._pg(group)
+            for place, part in zip(dest, functional.exchange(mine, received, pg, order)):
+                if place is not None and part.numel():
+                    place.copy_(part)
+            return {me: out}
         _, order = self._pg(group)
         ranked = sorted(range(len(group)), key=order.__getitem__)
         own_out, direct = own_block_out([mine[j] for j in ranked], [dest[j] for j in ranked],
@@ -392,17 +409,21 @@ class ProcessWorld(World):
 
     def _broadcast(self, group, src, pieces, shape, dtype, device_type):
         me = self.rank
-        pg, _ = self._pg(group)
+        pg, order = self._pg(group)
         if me == src:
             t = pieces[me].clone(memory_format=torch.contiguous_format)
         else:
             t = torch.empty(shape, dtype=dtype, device=self.device(device_type, me))
+        if functional.traced(t):
+            return {me: functional.broadcast(t, order[group.index(src)], pg) if len(group) > 1 else t}
         if len(group) > 1:
             self._run("broadcast", group, lambda: dist.broadcast(t, src, group=pg))
         return {me: t}
 
     def _send_recv(self, transfers, payload, dtype, device_type):
         me = self.rank
+        if any(functional.traced(t) for t in payload.values()):
+            raise functional.not_traceable("boxing")
         device = self.device(device_type, me)
         ops, out = [], {}
         for i, t in enumerate(transfers):

@@ -176,11 +176,8 @@ class GradBuckets:
         buckets for the same reason: memory the allocator hands out afresh costs a page fault per
         page when first written, and the copies into a bucket would pay them every step."""
         spare = self.spare.get((numel, dtype, device), [])
-        buf = next((b for b in spare if alone_on_storage(b)), None)
-        if buf is None:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-        else:
-            spare.remove(buf)
+        free = next((i for i, b in enumerate(spare) if alone_on_storage(b)), None)
+        buf = torch.empty(numel, dtype=dtype, device=device) if free is None else spare.pop(free)
         self.made.append(buf)
         return buf
 

@@ -25,7 +25,11 @@ decomposed_calls: Counter = Counter()   # calls per op that ran as its decomposi
 
 
 def run_decomposition(func, decomposed, args, kwargs):
-    """Dispatch the op's core-ATen decomposition; an op met again inside its own one falls back."""
+    """Dispatch the op's core-ATen decomposition; an op met again inside its own one falls back, and
+    so does a random op whose decomposition returns a plain tensor: it drew its result with a
+    factory that ignores the inputs' layout (``aten.uniform``, and torch 2.14's
+    ``normal_functional``, draw ``normal(mean, std, self.shape)``); the fallback draws a global
+    result whose replicas agree."""
     active = decomposing.ops
     if active is None:
         active = decomposing.ops = set()
@@ -37,7 +41,10 @@ def run_decomposition(func, decomposed, args, kwargs):
     active.add(func)
     decomposing.recorded += recorded
     try:
-        return decomposed(*args, **kwargs)
+        out = decomposed(*args, **kwargs)
     finally:
         active.discard(func)
         decomposing.recorded -= recorded
+    if torch.Tag.nondeterministic_seeded in func.tags and any(type(v) is torch.Tensor for v in tree_flatten(out)[0]):
+        return run_fallback(func, *tree_flatten((args, kwargs)))
+    return out

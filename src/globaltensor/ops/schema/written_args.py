@@ -51,6 +51,7 @@ HANDLED = {
     "aten._amp_update_scale.out": "fallback",
     "aten._amp_update_scale_.default": "fallback",
     "aten._batch_norm_with_update.out": "fallback",
+    "aten._cudnn_attention_forward_no_dropout_inplace.default": "fallback",
     "aten._cudnn_rnn_backward.out": "fallback",
     "aten._cummax_helper.default": "fallback",
     "aten._cummin_helper.default": "fallback",

@@ -1,0 +1,60 @@
+"""torch.compile on global tensors in a process world (2 gloo processes): the GPT's forward and backward
+compile into one graph whose collectives are torch's functional collectives (``_c10d_functional``
+ops, which Inductor can reorder), and equal the eager global run in float64 -- data parallel and
+Megatron tensor parallel. Every rank compiles and runs the same program."""
+from __future__ import annotations
+
+SCRIPT = r"""
+import sys
+import torch
+import globaltensor as gt
+import globaltensor.nn as gnn
+from torch._functorch.aot_autograd import aot_module_simplified
+sys.path.insert(0, EXAMPLES)
+from gpt import GPT, GPTConfig, TENSOR_PARALLEL, make_batch
+
+torch.set_default_dtype(torch.float64)
+S, B = gt.sbp.split, gt.sbp.broadcast
+cfg = GPTConfig(n_layer=1)
+torch.manual_seed(0)
+base = GPT(cfg)
+idx, tgt = make_batch(cfg, 8, 16, torch.Generator().manual_seed(1))
+p = gt.placement("cpu", [0, 1])
+targets = []
+
+def backend(gm, example_inputs):
+    def keep(g, _):
+        targets.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+        return g.forward
+    return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+for layout in ("dp", "tp"):
+    models = []
+    for _ in range(2):
+        m = GPT(cfg)
+        m.load_state_dict(base.state_dict())
+        gnn.distribute_module(m, p) if layout == "dp" else gnn.distribute_module(m, p, gnn.megatron_plan(**TENSOR_PARALLEL))
+        models.append(m)
+    sbp = S(0) if layout == "dp" else B
+    i, t = gt.distribute(idx, p, sbp), gt.distribute(tgt, p, sbp)
+    targets.clear()
+    want = models[0].loss(i, t)
+    got = torch.compile(models[1].loss, fullgraph=True, backend=backend)(i, t)   # one graph, or it raises
+    want.backward()
+    got.backward()
+    assert torch.equal(got.full_tensor(), want.full_tensor()), (layout, got.full_tensor(), want.full_tensor())
+    for a, b in zip(models[1].parameters(), models[0].parameters()):
+        diff = (a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+        assert diff <= 1e-14, (layout, diff)
+    functional = [x for x in targets if "_c10d_functional" in x]
+    assert functional, (layout, sorted(set(targets)))
+    print(f"ok {layout} {gt.rank()} collectives {sorted(set(functional))}")
+"""
+
+
+def test_gpt_compiles_with_functional_collectives_on_two_processes(launch):
+    import os
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    job = launch(SCRIPT.replace("EXAMPLES", repr(examples)), 2, timeout=600)
+    for layout in ("dp", "tp"):
+        assert job.stdout.count(f"ok {layout}") == 2, job.describe()
