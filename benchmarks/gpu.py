@@ -1,4 +1,5 @@
-"""The GPT training step on one GPU: plain torch, DTensor, globaltensor eager and compiled (needs CUDA).
+"""The GPT training step on one GPU: plain torch, DTensor, globaltensor eager and compiled, and plain
+and global under torch.compile (needs CUDA).
 
     .venv/bin/python benchmarks/gpu.py [--quick]
 
@@ -39,23 +40,26 @@ def _worker(rank: int, world: int, quick: bool):
         torch.manual_seed(0)
         base = GPT(cfg).to(device)
         idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-        models = {"plain": base, "dt": GPT(cfg).to(device), "gt": GPT(cfg).to(device), "gtc": GPT(cfg).to(device)}
+        # tc_plain / tc_gt: the loss compiled with torch.compile (Inductor), the optimizer eager
+        models = {k: GPT(cfg).to(device) for k in ("dt", "gt", "gtc", "tc_plain", "tc_gt")}
+        models = {"plain": base, **models}
         for m in list(models.values())[1:]:
             m.load_state_dict(base.state_dict())
         distribute_module(models["dt"], mesh)                     # every parameter Replicate()
-        for name in ("gt", "gtc"):
+        for name in ("gt", "gtc", "tc_gt"):
             gt.nn.distribute_module(models[name], placement)
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         dt_idx = distribute_tensor(idx, mesh, [Replicate()])
         gt_idx = gt.distribute(idx, placement, gt.sbp.broadcast)
-        inputs = {"plain": idx, "dt": dt_idx, "gt": gt_idx, "gtc": gt_idx}
+        inputs = {"plain": idx, "dt": dt_idx, "gt": gt_idx, "gtc": gt_idx, "tc_plain": idx, "tc_gt": gt_idx}
+        losses = {k: torch.compile(m.loss) if k.startswith("tc_") else m.loss for k, m in models.items()}
 
         def fwd_bwd(k):
-            models[k].loss(inputs[k], inputs[k]).backward()
+            losses[k](inputs[k], inputs[k]).backward()
 
         def step_fn(k):
             def step(i, t):
-                loss = models[k].loss(i, t)
+                loss = losses[k](i, t)
                 loss.backward()
                 opts[k].step()
                 opts[k].zero_grad()
@@ -71,7 +75,7 @@ def _worker(rank: int, world: int, quick: bool):
             return run
         reps = dict(warmup=3, repeats=3 if quick else 10, inner=2 if quick else 5, sync=False)
         whole = H.timed_many({k: synced(lambda k=k: steps[k](inputs[k], inputs[k])) for k in models}, **reps)
-        parts = {f"{k} fwd+bwd": synced(lambda k=k: fwd_bwd(k)) for k in ("plain", "gt")}
+        parts = {f"{k} fwd+bwd": synced(lambda k=k: fwd_bwd(k)) for k in ("plain", "gt", "tc_plain", "tc_gt")}
         parts.update({f"{k} step": synced(opts[k].step) for k in ("plain", "gt")})
         split = H.timed_many(parts, **reps)
         results["rows"][label] = {**whole, **split}
@@ -93,6 +97,12 @@ def report(res) -> None:
                    "compiled / plain"], rows, f"## GPT step with AdamW on {res['device']}, a 1-rank placement"))
     print(H.table(["GPT", "plain fwd+bwd", "gt fwd+bwd", "plain AdamW step", "gt AdamW step", "gt / plain step"],
                   parts, "## forward + backward and the optimizer's step"))
+    compiled = [[label, H.fmt(t["tc_plain"]), H.fmt(t["tc_gt"]), H.ratio(t["tc_gt"], t["tc_plain"]),
+                 H.fmt(t["tc_plain fwd+bwd"]), H.fmt(t["tc_gt fwd+bwd"]), H.ratio(t["tc_gt fwd+bwd"], t["tc_plain fwd+bwd"])]
+                for label, t in res["rows"].items()]
+    print(H.table(["GPT", "plain step", "global step", "global / plain (goal <= 1.05x)", "plain fwd+bwd",
+                   "global fwd+bwd", "global / plain"], compiled,
+                  "## torch.compile (Inductor) of the loss, the optimizer eager: plain and global"))
 
 
 def main(argv=None) -> int:
