@@ -12,12 +12,14 @@ device's name heads the table. Without CUDA it says so and measures nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import _harness as H
 
 SIZES = {"n_embd 256, 4 layers, batch 8x128": (256, 4, 8, 128), "n_embd 1024, 8 layers, batch 8x512": (1024, 8, 8, 512)}
+LARGE = "n_embd 1024, 8 layers, batch 8x512"
 
 
 def _worker(rank: int, world: int, quick: bool):
@@ -105,12 +107,40 @@ def report(res) -> None:
                   "## torch.compile (Inductor) of the loss, the optimizer eager: plain and global"))
 
 
+# goal -> (what is measured, its peer, the sizes it is judged at, the most the ratio may be)
+GOALS = {
+    "gt eager step <= DTensor's": ("gt", "dt", tuple(SIZES), 1.0),
+    "gt AdamW step <= 1.2x plain torch's": ("gt step", "plain step", tuple(SIZES), 1.2),
+    "gt compiled step <= 1.05x plain torch at n_embd 1024": ("gtc", "plain", (LARGE,), 1.05),
+    "torch.compile global step <= 1.05x torch.compile plain": ("tc_gt", "tc_plain", tuple(SIZES), 1.05),
+}
+
+
+def verdicts(res) -> list:
+    """One line per goal: ``VERDICT met|short <goal> (<ratio at each size>)``."""
+    if res["device"] is None:
+        return [f"VERDICT not measured {goal} (no CUDA device)" for goal in GOALS]
+    out = []
+    for goal, (ours, peer, sizes, most) in GOALS.items():
+        ratios = {size: res["rows"][size][ours] / res["rows"][size][peer] for size in sizes}
+        met = all(r <= most for r in ratios.values())
+        shown = ", ".join(f"{size.split(',')[0]}: {r:.2f}x" for size, r in ratios.items())
+        out.append(f"VERDICT {'met' if met else 'short'} {goal} ({shown})")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", metavar="PATH", help="also write the measured times (seconds) to PATH")
     args = ap.parse_args(argv)
     print(H.header("gpu"))
-    report(H.spawn(_worker, 0, args.quick))
+    res = H.spawn(_worker, 0, args.quick)
+    report(res)
+    print("\n".join(verdicts(res)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
     return 0
 
 
