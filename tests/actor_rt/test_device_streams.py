@@ -20,11 +20,12 @@ def _step(p):
     return training_step(lambda x, y: ((torch.tanh(x @ w1) @ w2 - y) ** 2).mean(), opt), (w1, w2)
 
 
-def test_simulated_ranks_share_one_compute_and_one_collective_stream_and_train_as_eager(world4):
+def _compiled_trains_as_eager(streams):
+    """Four steps compiled with ``streams`` beside the eager steps, on a 2x2 placement; the graph."""
     p = gt.placement("cpu", [[0, 1], [2, 3]])
     eager, eager_params = _step(p)
     step, params = _step(p)
-    g = gt.compile(step, streams="device")
+    g = gt.compile(step, streams=streams)
     for i in range(4):
         x, y = gt.randn(8, 8, placement=p, sbp=(S(0), B)), gt.randn(8, 4, placement=p, sbp=(S(0), B))
         want, got = eager(x, y), g(x, y)
@@ -32,23 +33,19 @@ def test_simulated_ranks_share_one_compute_and_one_collective_stream_and_train_a
         torch.testing.assert_close(got.full_tensor(), want.full_tensor(), rtol=1e-12, atol=0)
         for a, b in zip(params, eager_params):
             torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-12, atol=1e-15)
+    return g
+
+
+def test_simulated_ranks_share_one_compute_and_one_collective_stream_and_train_as_eager(world4):
+    g = _compiled_trains_as_eager("device")
     assert set(g.plan.streams) == {"cpu:compute", "cpu:collective"}, g.plan
     assert {t.rank for t in g.plan.tasks} == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("streams", [None, "shared"])
 def test_a_simulated_cpu_world_runs_its_graph_on_the_callers_thread(world4, streams):
-    p = gt.placement("cpu", [[0, 1], [2, 3]])
-    eager, eager_params = _step(p)
-    step, params = _step(p)
     before = threading.active_count()
-    g = gt.compile(step, streams=streams)
-    for i in range(4):
-        x, y = gt.randn(8, 8, placement=p, sbp=(S(0), B)), gt.randn(8, 4, placement=p, sbp=(S(0), B))
-        want, got = eager(x, y), g(x, y)
-        torch.testing.assert_close(got.full_tensor(), want.full_tensor(), rtol=1e-12, atol=0)
-        for a, b in zip(params, eager_params):
-            torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-12, atol=1e-15)
+    g = _compiled_trains_as_eager(streams)
     assert set(g.plan.streams) == {"cpu"}, g.plan
     assert any(t.node is not None and t.node.kind == "collective" for t in g.plan.tasks), "collectives run inline too"
     assert threading.active_count() == before, "the graph started threads"

@@ -21,6 +21,7 @@ import globaltensor.nn as gnn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import TENSOR_PARALLEL, GPT, GPTConfig, make_batch  # noqa: E402
+from nn_models import training_step  # noqa: E402
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, n_embd=64)
@@ -32,14 +33,7 @@ def _step(p, base, batch):
     gnn.distribute_module(m, p, gnn.megatron_plan(**TENSOR_PARALLEL, axis=1, ndim=2))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
     idx, tgt = (gt.distribute(t, p, (S(0), B)) for t in batch)
-
-    def step(i, t):
-        loss = m.loss(i, t)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-    return m, step, (idx, tgt)
+    return m, training_step(m.loss, opt, zero_grad_first=True), (idx, tgt)
 
 
 @pytest.mark.parametrize("side", [2, 4, 8])

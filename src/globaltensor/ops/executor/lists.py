@@ -132,13 +132,9 @@ class ListRunner:
         ``(device, ranks, result list)``, the results rank after rank. A list op's results alias
         nothing (``_foreach_sqrt``, ``_foreach_add.List``): fresh tensors of the caller's mode."""
         m = len(layouts)
-        if len(runs) == 1:
-            device, ranks, out = runs[0]
-            if len(ranks) == 1:
-                r = ranks[0]
-                return [wrap_fresh(layout, {r: o}, device, o) for layout, o in zip(layouts, out)]
-            return [wrap_fresh(layout, {r: out[k * m + j] for k, r in enumerate(ranks)}, device, out[j])
-                    for j, layout in enumerate(layouts)]
+        if len(runs) == 1 and len(runs[0][1]) == 1:         # one rank on one device: no dict to build
+            device, (r,), out = runs[0]
+            return [wrap_fresh(layout, {r: o}, device, o) for layout, o in zip(layouts, out)]
         pieces = [{} for _ in layouts]
         for _, ranks, out in runs:
             for k, r in enumerate(ranks):
