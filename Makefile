@@ -8,7 +8,7 @@ TORCH   := torch==2.13.0
 TORCH_OLDEST := 2.9.1
 TORCH_NEWEST := 2.15.0
 
-.PHONY: demo test test-compat bench clean
+.PHONY: demo test test-compat compat-venvs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -29,8 +29,10 @@ test: $(STAMP)
 	PIP_CONFIG_FILE=/dev/null .venv-torch-$*/bin/python -m pip install -q -e ".[dev]"
 	touch $@
 
+compat-venvs: .venv-torch-$(TORCH_OLDEST)/.installed .venv-torch-$(TORCH_NEWEST)/.installed
+
 # at the ends, the tests of the library's own process handling stay out (tests/conftest.py, PIN_ONLY)
-test-compat: .venv-torch-$(TORCH_OLDEST)/.installed .venv-torch-$(TORCH_NEWEST)/.installed
+test-compat: compat-venvs
 	.venv-torch-$(TORCH_OLDEST)/bin/python -m pytest -n 2 tests -m "not pin_only"
 	.venv-torch-$(TORCH_NEWEST)/bin/python -m pytest -n 2 tests -m "not pin_only"
 
