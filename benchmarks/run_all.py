@@ -4,7 +4,7 @@
     make bench
 
 The measures come from the benchmark scripts' workers (boxing.py, eager_overhead.py, tp_mlp.py,
-hybrid_gpt.py, actor_runtime.py, subclass_floor.py), each run once in its own processes ("jobs"), and models.py's
+hybrid_gpt.py, actor_runtime.py, subclass_floor.py, local_map.py, ...), each run once in its own processes ("jobs"), and models.py's
 counts on simulated ranks in this process; in order, with a progress line as each starts and ends. A job that fails gives its rows as n/a; the others still
 run. Adding a measure is one entry of ``MEASURES``: the job it reads and a function of that job's
 result giving its rows. Ratios are ours / peer, paired per round (the median over rounds of the
@@ -27,6 +27,7 @@ import consistency_check
 import eager_overhead
 import gpu
 import hybrid_gpt
+import local_map
 import models
 import optimizer
 import scale
@@ -73,6 +74,8 @@ JOBS = {
               lambda q: H.spawn(torch_compile._worker, 2, "dp", q, timeout=1800)),
     "tc_tp": ("torch.compile TP GPT step (n_embd 256), 2 processes",
               lambda q: H.spawn(torch_compile._worker, 2, "tp", q, timeout=1800)),
+    "local_map": ("gt.local_map per call beside one eager op and DTensor's local_map, 2 processes and 4 "
+                  "simulated ranks", local_map.measure),
     "gpu": ("GPT training step on one GPU (CUDA only)", lambda q: H.spawn(gpu._worker, 0, q)),
 }
 
@@ -225,6 +228,13 @@ def check_rows(res) -> list:
             for r in res]
 
 
+def local_map_rows(res) -> list:
+    """local_map's overhead at most 2x one eager op's; below DTensor's local_map's."""
+    return [row(what, f"{H.fmt(ours, 1e6, 1)} us", f"{peer_name} {H.fmt(peer, 1e6, 1)} us", ratio,
+                local_map.GOAL if peer_name == "eager op" else 1.0, strict=peer_name != "eager op")
+            for what, ours, peer, ratio, peer_name in local_map.rows(res["procs"], res["sim"])]
+
+
 MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step (n_embd 256), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
@@ -251,6 +261,7 @@ MEASURES = [
     Measure("scale", scale_rows),
     Measure("tc_dp", lambda res: torch_compile_rows("dp", res)),
     Measure("tc_tp", lambda res: torch_compile_rows("tp", res)),
+    Measure("local_map", local_map_rows),
     Measure("gpu", gpu_rows),
 ]
 

@@ -4,7 +4,9 @@
 token embedding + learned position embedding -> N blocks of
 [layer norm -> causal self-attention (qkv linear, heads, scaled_dot_product_attention
 or an explicit masked softmax, out proj) -> residual, layer norm -> MLP (fc1, GELU, fc2) -> residual]
--> final layer norm -> lm head; ``loss(idx, targets)`` is the cross-entropy.
+-> final layer norm -> lm head; ``loss(idx, targets)`` is the cross-entropy. With ``n_experts``
+the MLP is a mixture of experts: a top-k softmax router and gated SiLU experts, their weights
+stacked as HuggingFace transformers' MoE models stack them.
 
 Nothing here knows about globaltensor: on a global tensor ``x.shape`` is the logical
 shape, so the code reads the same on one device and on many.
@@ -34,6 +36,8 @@ class GPTConfig:
     n_embd: int = 32
     mlp_ratio: int = 4
     attention: str = "sdpa"   # or "matmul": the explicit masked softmax (see CausalSelfAttention)
+    n_experts: int = 0        # > 0: the MLP is a mixture of this many experts (MoE)
+    top_k: int = 2            # the experts each token is routed to
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,13 +90,55 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class Experts(nn.Module):
+    """``num_experts`` gated SiLU MLPs, their weights stacked on a leading expert dim (``gate_up_proj``
+    ``[experts, 2 * hidden, n_embd]``, ``down_proj`` ``[experts, n_embd, hidden]``): for each token
+    and each of its experts, that expert's MLP, weighted by the routing weight; a token's experts
+    summed. The layout and contract of HuggingFace transformers' experts modules."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.num_experts, hidden = cfg.n_experts, cfg.mlp_ratio * cfg.n_embd // cfg.top_k
+        self.gate_up_proj = nn.Parameter(torch.randn(cfg.n_experts, 2 * hidden, cfg.n_embd) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(cfg.n_experts, cfg.n_embd, hidden) * 0.02)
+        self.act_fn = nn.SiLU()
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(top_k_index.shape + x.shape[-1:], dtype=x.dtype, device=x.device)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            h = self._apply_gate(F.linear(x[token], self.gate_up_proj[e]))
+            y = F.linear(h, self.down_proj[e]) * top_k_weights[token, slot, None]
+            out = out.index_put((token, slot), y)
+        return out.sum(dim=1)
+
+
+class MoE(nn.Module):
+    """A top-k softmax router over :class:`Experts` (the router's weights renormalised over the k)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        return self.experts(flat, index, weights / weights.sum(dim=-1, keepdim=True)).reshape(x.shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

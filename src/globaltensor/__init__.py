@@ -13,6 +13,7 @@ from .observe import CommProfile, comm_profile, set_log_level
 from .observe.consistency import set_check
 from .placement import Placement, placement
 from .from_local import distribute, install_tensor_methods, to_global
+from .local_map import local_map
 from .tensor import GlobalTensor
 from .ops import arange, empty, full, manual_seed, ones, rand, randn, register_rule, zeros
 from .ops.executor.lists import install_foreach_support
@@ -31,7 +32,7 @@ install_dcp_protocol()
 __version__ = "0.1.0"
 
 __all__ = [
-    "sbp", "placement", "Placement", "GlobalTensor", "to_global", "distribute", "simulate", "rank", "world_size",
+    "sbp", "placement", "Placement", "GlobalTensor", "to_global", "distribute", "local_map", "simulate", "rank", "world_size",
     "get_world", "comm_stats", "randn", "rand", "zeros", "ones", "full", "empty", "arange", "manual_seed",
     "boxing_plan", "Plan", "Step", "register_rule", "visualize", "render_sharding", "nn",
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .comm import get_world
+from .comm import Transfer, get_world
 from .placement import Placement
 from .sbp import as_nd_sbp, check_blocks
 from .sbp.shape import piece_shape
@@ -30,13 +30,20 @@ def reading_meta() -> bool:
     return _MetaReads.depth > 0
 
 
+class meta_read:
+    """While inside, the host reads shapes, not values (see :func:`reading_meta`)."""
+
+    def __enter__(self):
+        _MetaReads.depth += 1
+
+    def __exit__(self, *exc):
+        _MetaReads.depth -= 1
+
+
 def _global_shape_from_pieces(local: torch.Tensor, placement: Placement, nd: tuple) -> tuple:
     """The logical shape from this rank's piece: exchanged with one small collective when split."""
-    _MetaReads.depth += 1
-    try:
+    with meta_read():
         return _exchanged_shape(local, placement, nd)
-    finally:
-        _MetaReads.depth -= 1
 
 
 def _exchanged_shape(local: torch.Tensor, placement: Placement, nd: tuple) -> tuple:
@@ -50,10 +57,33 @@ def _exchanged_shape(local: torch.Tensor, placement: Placement, nd: tuple) -> tu
             shape[nd[a].dim] *= placement.hierarchy[a]
         return tuple(shape)
     everyone = tuple(range(world.size))  # ranks outside the placement need the shape too
+    shapes = exchange_shapes(local, everyone)
+    return logical_shape({r: shapes[r] for r in placement.rank_list()}, placement, nd, "to_global")
+
+
+def exchange_shapes(local: torch.Tensor, group: tuple) -> dict:
+    """``{rank: shape}`` of every member's ``local`` (a process world; only the members call it).
+
+    One small all-gather over the whole world; over fewer ranks, point-to-point messages, which
+    need no process group (creating one would take every process of the world)."""
+    world = get_world()
     mine = torch.tensor(list(local.shape), dtype=torch.int64)
-    gathered = world.all_gather(everyone, {world.rank: mine.view(1, -1)}, 0, [1] * world.size,
-                                (world.size, local.dim()), torch.int64)[world.rank]
-    shapes = {r: tuple(int(v) for v in gathered[r]) for r in placement.rank_list()}
+    if tuple(sorted(group)) == tuple(range(world.size)):
+        gathered = world.all_gather(group, {world.rank: mine.view(1, -1)}, 0, [1] * len(group),
+                                    (len(group), local.dim()), torch.int64)[world.rank]
+        return {r: tuple(int(v) for v in gathered[i]) for i, r in enumerate(group)}
+    transfers = [Transfer(src, dst, (local.dim(),)) for src in group for dst in group if src != dst]
+    got = world.send_recv(transfers, {i: mine for i, t in enumerate(transfers) if t.src == world.rank},
+                          torch.int64, "cpu")
+    shapes = {transfers[i].src: tuple(int(v) for v in t) for i, t in got.items()}
+    shapes[world.rank] = tuple(local.shape)
+    return {r: shapes[r] for r in group}
+
+
+def logical_shape(shapes: dict, placement: Placement, nd: tuple, name: str) -> tuple:
+    """The logical shape whose pieces under ``nd`` have ``shapes`` (``{rank: shape}``, every rank of
+    the placement); ValueError (naming ``name``) when they are not the balanced split of one."""
+    split_axes = [a for a, v in enumerate(nd) if v.is_split]
     shape = list(shapes[placement.rank_list()[0]])
     for d in {nd[a].dim for a in split_axes}:
         axes = [a for a in split_axes if nd[a].dim == d]
@@ -62,7 +92,7 @@ def _exchanged_shape(local: torch.Tensor, placement: Placement, nd: tuple) -> tu
     for r, s in shapes.items():
         expected = piece_shape(tuple(shape), placement.hierarchy, nd, placement.coord(r))
         if s != expected:
-            raise ValueError(f"to_global: rank {r}'s local tensor has shape {s}, but {nd} of the logical shape "
+            raise ValueError(f"{name}: rank {r}'s local tensor has shape {s}, but {nd} of the logical shape "
                              f"{tuple(shape)} gives it {expected}; pieces must follow the balanced split")
     return tuple(shape)
 

@@ -20,7 +20,7 @@ for _path in (HOWTO, HOWTO.parent):                # the how-tos; demo.py and gp
         sys.path.insert(0, str(_path))
 
 SCRIPTS = ["data_parallel", "tensor_parallel", "hybrid_2d", "zero_optimizer", "fsdp", "loss_parallel", "pipeline",
-           "mixed_precision"]
+           "mixed_precision", "expert_parallel"]
 PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\s+[\d.]+\s+[\d.]+\s+[\d,]+\s+\d+\s+\d+ms$")
 
 
@@ -53,6 +53,15 @@ def test_loss_parallel_keeps_the_logits_split(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("logits"))
     sent, gather = (int(v.replace(",", "")) for v in re.search(r"sent ([\d,]+) bytes.*would send ([\d,]+)", line).groups())
     assert "sbp (S(1),)" in line and sent < gather, line
+
+
+def test_expert_parallel_moves_tokens_not_weights(capsys):
+    import expert_parallel
+    with gt.simulate(4):
+        expert_parallel.run(["--tiny", "--float64", "--steps", "1"])
+    out = capsys.readouterr().out
+    sent = int(re.search(r"the token all-to-alls sent ([\d,]+) bytes", out).group(1).replace(",", ""))
+    assert sent > 0 and "gate_up_proj shape (4, 64, 16) sbp (S(0),)" in out, out
 
 
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients(capsys):

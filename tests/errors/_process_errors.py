@@ -37,6 +37,30 @@ def expect(entry, fn):
 # pieces that do not follow the balanced split: 2 + 4 rows where S(0) gives 3 + 3
 expect("to-global-pieces-not-balanced", lambda: torch.ones(2 + 2 * me, 3).to_global(placement=p, sbp=S(0)))
 
+# a mapped function on a placement this rank is not in
+outside = gt.placement("cpu", [0])
+
+
+def f():
+    return torch.zeros(1)
+
+
+if me == 1:
+    expect("local-map-outside-placement", lambda: gt.local_map(f, (), S(0), placement=outside)())
+
+# a mapped function whose result's shape changes while its arguments' layouts stay
+rows = [2]
+
+
+def g(a):
+    return a[:rows[0]]
+
+
+g_mapped = gt.local_map(g, (S(0),), S(0))
+g_mapped(gt.zeros(4, placement=p, sbp=S(0)))
+rows[0] = 1
+expect("local-map-result-shape-changed", lambda: g_mapped(gt.zeros(4, placement=p, sbp=S(0))))
+
 # an op without a rule, on a placement this rank is not in
 alone = gt.distribute(torch.arange(6.0).reshape(2, 3), gt.placement("cpu", [0]), B)
 if me == 1:

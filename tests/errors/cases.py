@@ -13,6 +13,7 @@ from torch import nn
 
 import globaltensor as gt
 import globaltensor.nn as gnn
+from moe_models import MoE
 from globaltensor import launch
 from globaltensor.comm import timeouts
 from globaltensor.comm.process import ProcessWorld
@@ -31,6 +32,55 @@ def p22():
 
 def x84():
     return gt.randn(8, 4, placement=p4(), sbp=S(0))
+
+
+def p2():
+    return gt.placement("cpu", [0, 1])
+
+
+def x4(placement=None):
+    return gt.zeros(4, placement=placement or p2(), sbp=S(0))
+
+
+def f(*args, **kwargs):
+    """A mapped function's stand-in: the messages name it."""
+    return args[0] if args else torch.zeros(1)
+
+
+def _mapped_collective():
+    other = x4()
+
+    def f(a):
+        return a + other.full_tensor()[:2]
+    return gt.local_map(f, (S(0),), S(0))(x4())
+
+
+def _mapped_dtypes():
+    return gt.local_map(lambda a: a.double() if gt.local_map.rank() == 0 else a, (S(0),), S(0))(x4())
+
+
+def _mapped_group_axis():
+    return gt.local_map(lambda a: a + len(gt.local_map.group(1)), (S(0),), S(0))(x4())
+
+
+def _moe(distributed=True, plan=None):
+    block = MoE(num_experts=4)
+    if distributed:
+        gt.nn.distribute_module(block, p2(), plan or {"*_proj": S(0)}, strict=False)
+    return block
+
+
+def _moe_plain_inputs():
+    block = gt.nn.expert_parallel(_moe(), p2())
+    return block.experts(torch.randn(4, 6), torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2))
+
+
+def _moe_compiled():
+    block = gt.nn.expert_parallel(_moe(), p2())
+    step = gt.compile(lambda x: block(x).sum())
+    x = gt.distribute(torch.randn(2, 2, 6), p2(), S(0))
+    for _ in range(2):
+        step(x)
 
 
 def _fused_step(params):
@@ -224,6 +274,32 @@ CASES = {
     "to-local-rank": lambda: x84().to_local(rank=5),
     "distribute-not-plain": lambda: gt.distribute(x84(), p4(), B),
     "stale-world": _stale_world,
+    # per-rank code: gt.local_map
+    "local-map-fn-not-callable": lambda: gt.local_map(3, (S(0),), S(0)),
+    "local-map-in-sbp-not-sequence": lambda: gt.local_map(f, S(0), S(0)),
+    "local-map-arity": lambda: gt.local_map(f, (S(0), B), S(0))(x4()),
+    "local-map-global-keyword": lambda: gt.local_map(f, (S(0),), S(0))(x4(), b=x4()),
+    "local-map-global-without-sbp": lambda: gt.local_map(f, (None,), S(0))(x4()),
+    "local-map-plain-with-sbp": lambda: gt.local_map(f, (S(0),), S(0))(torch.zeros(4)),
+    "local-map-placement-differs": lambda: gt.local_map(f, (S(0),), S(0), placement=gt.placement("cpu", [1, 0]))(x4()),
+    "local-map-two-placements": lambda: gt.local_map(f, (S(0), S(0)), S(0))(x4(), x4(gt.placement("cpu", [1, 0]))),
+    "local-map-needs-placement": lambda: gt.local_map(f, (), S(0))(),
+    "local-map-result-count": lambda: gt.local_map(lambda a: (a, a), (S(0),), S(0))(x4()),
+    "local-map-non-tensor-with-sbp": lambda: gt.local_map(lambda a: (a, 3), (S(0),), (S(0), S(0)))(x4()),
+    "local-map-value-differs": lambda: gt.local_map(lambda a: (a, gt.local_map.rank()), (S(0),), (S(0), None))(x4()),
+    "local-map-result-without-sbp": lambda: gt.local_map(lambda a: a, (S(0),), None)(x4()),
+    "local-map-result-not-plain": lambda: gt.local_map(lambda a: x4(), (S(0),), S(0))(x4()),
+    "local-map-result-dtypes": _mapped_dtypes,
+    "local-map-outside-call": lambda: gt.local_map.rank(),
+    "local-map-group-axis": _mapped_group_axis,
+    "local-map-collective": _mapped_collective,
+    # expert parallelism
+    "expert-parallel-axis": lambda: gt.nn.expert_parallel(_moe(), p2(), axis=1),
+    "expert-parallel-no-experts": lambda: gt.nn.expert_parallel(torch.nn.Linear(2, 2), p2()),
+    "expert-parallel-not-distributed": lambda: gt.nn.expert_parallel(_moe(distributed=False), p2()),
+    "expert-parallel-weight-layout": lambda: gt.nn.expert_parallel(_moe(plan={"*down_proj": S(0)}), p2()),
+    "expert-parallel-plain-inputs": _moe_plain_inputs,
+    "expert-parallel-compile": _moe_compiled,
     # ops
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),

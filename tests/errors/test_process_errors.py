@@ -22,6 +22,8 @@ RECORD = re.compile(r"^\[rank (\d+)\] GT (.*)$")
 PROCESS_ENTRIES = {
     "to-global-pieces-not-balanced": [0, 1],
     "fallback-outside-placement": [1],
+    "local-map-outside-placement": [1],
+    "local-map-result-shape-changed": [0, 1],
     "check-plain-tensor": [0, 1],
     "check-different-steps": [0, 1],
     "dtensor-mesh-not-ascending": [0, 1],

@@ -220,7 +220,86 @@ def section_subset():
     c.done()
 
 
-SECTIONS = [section_world, section_conversions, section_random, section_from_local, section_subset]
+def section_local_map():
+    """``gt.local_map`` on each rank's own piece: values and gradients against the whole computation,
+    the logical shape of uneven results exchanged, and a rank outside the placement refused."""
+    c = Checker("local_map")
+    n, me = gt.world_size(), gt.rank()
+    torch.manual_seed(7)
+    full, weight = torch.randn(2 * n + 1, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    want = torch.tanh(full @ weight)
+    for pname, plc in placements(n).items():
+        x = gt.distribute(full, plc, S(0))
+        w = gt.distribute(weight, plc, B).requires_grad_()
+
+        def local(a, b):
+            c.equal(f"{pname}: rank() inside", gt.local_map.rank(), me)
+            return torch.tanh(a @ b)
+
+        y = gt.local_map(local, (S(0), B), S(0))(x, w)
+        c.equal(f"{pname}: result shape", tuple(y.shape), tuple(want.shape))
+        c.true(f"{pname}: result", torch.allclose(torch.from_numpy(y.numpy()), want, rtol=0, atol=1e-12))
+        (y * y).sum().backward()
+        w_ref = weight.clone().requires_grad_()
+        (torch.tanh(full @ w_ref) ** 2).sum().backward()
+        c.true(f"{pname}: weight gradient", torch.allclose(w.grad.full_tensor(), w_ref.grad, rtol=0, atol=1e-12))
+        # a result whose pieces' sizes only the ranks know: the logical shape is exchanged
+        z = gt.local_map(lambda a: a[: 1 + (gt.local_map.rank() == plc.rank_list()[0])], (S(0),), S(0))(x)
+        c.equal(f"{pname}: exchanged shape", tuple(z.shape), (n + 1, 4))
+    sub = gt.placement("cpu", ranks=list(range(n - 1)))
+    x = gt.distribute(full, sub, S(0)) if me in sub else None
+    if me in sub:
+        y = gt.local_map(lambda a: a * 2, (S(0),), S(0))(x)
+        c.equal("subset: shape exchanged among its ranks", tuple(y.shape), tuple(full.shape))
+    else:
+        try:
+            gt.local_map(lambda: torch.zeros(1), (), S(0), placement=sub)()
+        except ValueError as e:
+            c.true(f"outside the placement: the error says so ({e})", "holds no rank of the placement" in str(e))
+        else:
+            c.true("outside the placement: expected a ValueError", False)
+    c.done()
+
+
+def section_expert_parallel():
+    """Expert parallelism's all-to-all with uneven, data-decided sizes between processes: 5 experts
+    over the ranks, 13 tokens, one step against the same experts module computed whole here."""
+    import copy
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from moe_models import Experts
+
+    c = Checker("expert_parallel")
+    n = gt.world_size()
+    plc = placements(n)["reversed"]                     # group order != rank order
+    torch.manual_seed(11)
+    one = Experts(num_experts=5).double()
+    experts = copy.deepcopy(one)
+    x = torch.randn(13, 6, dtype=torch.float64)
+    scores = torch.rand(13, 5, dtype=torch.float64)
+    scores[:4] = 0.0                                    # ties: the first tokens all pick experts 0 and 1
+    weights, index = torch.topk(scores.softmax(-1), 2, dim=-1)
+    gt.nn.distribute_module(experts, plc, {"*_proj": S(0)})
+    gt.nn.expert_parallel(experts, plc)
+    gx = gt.distribute(x, plc, S(0)).requires_grad_()
+    with gt.comm_stats() as stats:
+        y = experts(gx, gt.distribute(index, plc, S(0)), gt.distribute(weights, plc, S(0)))
+        (y * y).sum().backward()
+    xr = x.clone().requires_grad_()
+    want = one(xr, index, weights)
+    (want * want).sum().backward()
+    c.true("forward equals the whole computation", torch.allclose(y.full_tensor(), want, rtol=0, atol=1e-12))
+    c.true("input gradient", torch.allclose(gx.grad.full_tensor(), xr.grad, rtol=0, atol=1e-12))
+    for (name, a), (_, b) in zip(experts.named_parameters(), one.named_parameters()):
+        c.true(f"{name} gradient", torch.allclose(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12))
+    c.equal("collectives", [op for op in stats.ops() if op != "all_reduce"],
+            ["all_gather", "all_to_all", "all_to_all", "all_to_all", "all_to_all"])
+    c.done()
+
+
+SECTIONS = [section_world, section_conversions, section_random, section_from_local, section_subset,
+            section_local_map, section_expert_parallel]
 
 
 def run_sections(sections):

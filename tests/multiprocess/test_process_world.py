@@ -18,7 +18,7 @@ import globaltensor as gt
 
 PROGRAM = Path(__file__).with_name("_rank_program.py")
 RECORD = re.compile(r"^\[rank (\d+)\] GT (.*)$")
-SECTIONS = ["world", "conversions", "random", "from_local", "subset"]
+SECTIONS = ["world", "conversions", "random", "from_local", "subset", "local_map", "expert_parallel"]
 
 
 class Job:
@@ -142,9 +142,18 @@ def check_subset_placement(job):
     job.checked("subset")
 
 
+def check_local_map(job):
+    job.checked("local_map")
+
+
+def check_expert_parallel(job):
+    job.checked("expert_parallel")
+
+
 CHECKS = [check_job_succeeded, check_rank_and_world_size, check_conversion_pieces_and_numpy,
           check_comm_stats_match_simulated_world, check_random_factories_match_simulated_and_single_rank,
-          check_to_global_from_uneven_local_pieces, check_subset_placement]
+          check_to_global_from_uneven_local_pieces, check_subset_placement, check_local_map,
+          check_expert_parallel]
 
 
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"{n}proc")

@@ -31,6 +31,7 @@ from ..ops import rng
 from ..ops.dispatch import decision_for
 from ..ops.schema.op_record import record
 from ..from_local import reading_meta
+from ..local_map import running_rank
 from ..tensor import GlobalTensor, observe_creation
 from ..compat.torch_ops import aten
 from .graph import Captured, Node, Output, Ref, StorageRef, Value
@@ -276,7 +277,7 @@ class Tracer(TorchDispatchMode):
         if any(o.is_meta for o in outs) or (not outs and not written):
             return out
         self._phase()
-        rank = next((self.values[v].rank for v in inputs if self.values[v].rank is not None), None)
+        rank = next((self.values[v].rank for v in inputs if self.values[v].rank is not None), running_rank())
         node = Node(len(self.nodes), "op", func, _template((args, kwargs), self._ref, storages), [], slots,
                     self._label(str(func).replace("aten.", "")), rank=rank, signature=self._signature(),
                     segment=self.segment,

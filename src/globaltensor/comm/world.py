@@ -17,6 +17,7 @@ import torch
 
 from ..sbp.shape import balanced_sizes, numel
 from . import stats
+from .errors import CollectiveError
 
 Pieces = Dict[int, torch.Tensor]
 
@@ -37,7 +38,24 @@ def observed() -> bool:
     return _observer is not None
 
 
+class forbid_collectives:
+    """While inside, a collective raises CollectiveError with ``reason`` (``{op}``: the collective's
+    name): code that runs once per rank in turn, in one process, where no collective can meet."""
+    reason = None
+
+    def __init__(self, reason: str):
+        self.text = reason
+
+    def __enter__(self):
+        self.previous, forbid_collectives.reason = forbid_collectives.reason, self.text
+
+    def __exit__(self, *exc):
+        forbid_collectives.reason = self.previous
+
+
 def _run(name: str, world, args: tuple, run):
+    if forbid_collectives.reason is not None:
+        raise CollectiveError(forbid_collectives.reason.format(op=name))
     if _observer is None:
         return run()
     return _observer(name, world, args, run)

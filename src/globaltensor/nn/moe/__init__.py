@@ -1,0 +1,53 @@
+"""Expert parallelism: a MoE model's tokens move to the ranks of their experts, the experts' weights stay.
+
+    gt.nn.distribute_module(model, placement, {"*.experts.gate_up_proj": S(0), "*.experts.down_proj": S(0)})
+    gt.nn.expert_parallel(model, placement, axis=0)
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...placement import Placement
+from ...sbp import Split, broadcast
+from ...tensor import GlobalTensor, check_placement
+from .experts import find_experts
+from .forward import expert_parallel_forward
+
+
+def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0) -> torch.nn.Module:
+    """Make every MoE experts module of ``model`` dispatch its tokens to its experts' ranks.
+
+    The experts' stacked weights must already lie split on their expert dim over placement axis
+    ``axis`` (and broadcast on the others), by ``gt.nn.distribute_module``; each experts module's
+    forward is then replaced, on the instance, by the all-to-all dispatch (``nn/moe/forward.py``).
+    Recognises HuggingFace transformers' experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
+    and the other users of ``transformers.integrations.moe``). Returns ``model``.
+    """
+    placement = check_placement(placement)
+    if not isinstance(axis, int) or not 0 <= axis < placement.ndim:
+        raise ValueError(f"expert_parallel(axis): expected a placement axis in 0..{placement.ndim - 1}, got {axis!r}")
+    found = find_experts(model)
+    if not found:
+        raise ValueError(f"expert_parallel: no MoE experts module in {type(model).__name__}; expected HuggingFace "
+                         f"transformers' experts (3-D gate_up_proj or up_proj and down_proj, num_experts on dim 0)")
+    for name, module, kind in found:
+        for w in kind.weights:
+            _check_weight(f"{name}.{w}", getattr(module, w), placement, axis)
+        module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, name)
+    return model
+
+
+def _check_weight(name: str, weight, placement: Placement, axis: int) -> None:
+    want = tuple(Split(0) if a == axis else broadcast for a in range(placement.ndim))
+    if not isinstance(weight, GlobalTensor):
+        raise ValueError(f"expert_parallel: {name} is not a global tensor; lay the model out first, its experts split "
+                         f"on dim 0 over axis {axis}: gt.nn.distribute_module(model, placement, "
+                         f"{{'*.experts.{name.rsplit('.', 1)[-1]}': ...}})")
+    ok = weight.placement == placement and all(
+        (v.is_split and v.dim == 0) if a == axis else v.is_broadcast for a, v in enumerate(weight.sbp))
+    if not ok:
+        raise ValueError(f"expert_parallel: {name} is {weight.sbp} on {weight.placement}; expert parallelism on "
+                         f"axis {axis} of {placement} needs {want} there (experts split on dim 0 over the axis, "
+                         f"broadcast over the others)")

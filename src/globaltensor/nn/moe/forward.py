@@ -1,0 +1,97 @@
+"""The expert-parallel forward of a stacked experts module: tokens move to their experts' ranks.
+
+On each group of ranks along the expert axis (the experts' weights split on their expert dim
+over it, each rank holding a balanced run of experts), with the tokens split over it too:
+
+1. each rank sorts its (token, slot) pairs by expert and counts them per expert;
+2. the counts are exchanged (every rank learns how many rows it gets from whom);
+3. an all-to-all sends each row to the rank holding its expert, in the sizes the routing gave;
+4. each rank runs its experts on the rows they got, one expert after another;
+5. the reverse all-to-all brings the results home;
+6. each rank weights them by the routing weights and sums a token's slots, as the module does.
+
+Everything between the global tensors in and out is plain torch on pieces with autograd, and the
+two all-to-alls are differentiable (token_exchange.py): the backward moves the rows' gradients
+along the same routes. No expert weight moves; the weights' gradients stay on their ranks.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from ...boxing.layout import axis_groups
+from ...comm import get_world
+from ...comm.world import observed
+from ...local_map import assemble, pieces_of
+from ...sbp import broadcast, split
+from ...sbp.shape import balanced_sizes
+from ...tensor import GlobalTensor
+from .experts import Stacked, run_expert
+from .token_exchange import exchange_counts, exchange_rows, transposed
+
+
+def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: str,
+                            hidden_states, top_k_index, top_k_weights):
+    """The module's forward with its tokens sent to the ranks of their experts (see the module doc)."""
+    if not all(isinstance(t, GlobalTensor) for t in (hidden_states, top_k_index, top_k_weights)):
+        raise TypeError(f"expert_parallel: {name} got plain tensors; its inputs must be global tensors on the "
+                        f"placement its weights live on (give the model global inputs)")
+    if observed():
+        raise RuntimeError(f"expert_parallel: {name}: its all-to-all's sizes follow the routing, which gt.compile "
+                           f"cannot capture yet; run the MoE step eagerly")
+    nd = tuple(split(0) if a == axis else (broadcast if v.is_partial else v)
+               for a, v in enumerate(hidden_states.sbp))
+    x, idx, w = (t.to_global(placement=placement, sbp=nd) for t in (hidden_states, top_k_index, top_k_weights))
+    world = get_world()
+    ranks = tuple(r for r in placement.rank_list() if world.holds(r))
+    xs, idxs, ws = (dict(zip(ranks, pieces_of(t, ranks))) for t in (x, idx, w))
+    weights = {n: dict(zip(ranks, pieces_of(getattr(module, n), ranks))) for n in kind.weights}
+    k = idx.shape[1]
+    out = {}
+    for group in axis_groups(placement, (axis,)):
+        held = [r for r in group if world.holds(r)]
+        if held:
+            out.update(_group_forward(module, kind, group, held, xs, idxs, ws, weights, k))
+    return assemble(x._layout, ranks, [out[r] for r in ranks])
+
+
+def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idxs, ws, weights, k: int) -> Dict:
+    n_experts = kind.num_experts
+    own = balanced_sizes(n_experts, len(group))                 # experts per member
+    first = [sum(own[:j]) for j in range(len(group))]
+    order, sends, counts = {}, {}, {}
+    for r in held:
+        flat = idxs[r].reshape(-1)
+        order[r] = torch.argsort(flat, stable=True)
+        sends[r] = xs[r][order[r] // k]
+        counts[r] = torch.bincount(flat, minlength=n_experts)
+    per_expert = exchange_counts(group, counts)                   # member -> its rows per expert
+    sizes = [[sum(per_expert[src][first[j]:first[j] + own[j]]) for j in range(len(group))] for src in group]
+    received = exchange_rows(group, sizes, sends)
+    results = {}
+    for r in held:
+        j = group.index(r)
+        mine = {n: weights[n][r] for n in kind.weights}
+        results[r] = _run_local_experts(module, kind, received[r], mine, [
+            per_expert[src][first[j]:first[j] + own[j]] for src in group])
+    back = exchange_rows(group, transposed(sizes), results)
+    out = {}
+    for r in held:
+        slots = back[r][torch.argsort(order[r])]
+        weighted = slots * ws[r].reshape(-1, 1)
+        out[r] = weighted.view(xs[r].shape[0], k, weighted.shape[-1]).sum(dim=1).to(xs[r].dtype)
+    return out
+
+
+def _run_local_experts(module, kind: Stacked, rows: torch.Tensor, weights: Dict[str, torch.Tensor],
+                       counts: List[List[int]]) -> torch.Tensor:
+    """``rows`` come grouped by sender, then by expert (``counts[sender][e]`` each): run every local
+    expert once on all of its rows, and give the results back in the rows' order."""
+    n_local = len(counts[0]) if counts else 0
+    expert_of = torch.tensor([e for per_sender in counts for e, c in enumerate(per_sender) for _ in range(c)],
+                             dtype=torch.int64, device=rows.device)
+    perm = torch.argsort(expert_of, stable=True)
+    by_expert = rows[perm].split([sum(per_sender[e] for per_sender in counts) for e in range(n_local)])
+    outs = [run_expert(module, kind, weights, e, part) for e, part in enumerate(by_expert)]
+    return torch.cat(outs)[torch.argsort(perm)]

@@ -1,0 +1,171 @@
+"""Expert parallelism (nn/moe): the routed all-to-all on its own, then experts modules whose tokens move
+to their experts' ranks, against the same module on one device (float64: the same sums in the same
+order, so equal to the last bits), forward and backward, in every composition with other axes."""
+import copy
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import globaltensor as gt
+from globaltensor.nn.moe.token_exchange import exchange_rows
+from globaltensor.sbp import B, S
+from moe_models import MoE, Experts
+
+pytestmark = pytest.mark.usefixtures("float64")
+EXACT = dict(rtol=0, atol=1e-12)
+PLAN = {"*gate_up_proj": S(0), "*up_proj": S(0), "*down_proj": S(0), "*_bias": S(0)}
+
+
+@settings(max_examples=30, deadline=None)
+@given(w=st.integers(2, 4), data=st.data())
+def test_rows_reach_their_ranks_in_the_sizes_given_and_gradients_come_back(w, data):
+    sizes = [[data.draw(st.integers(0, 3)) for _ in range(w)] for _ in range(w)]
+    with gt.simulate(w):
+        group = tuple(range(w))
+        sends = {i: torch.randn(sum(sizes[i]), 2, requires_grad=True) for i in group}
+        got = exchange_rows(group, sizes, sends)
+        for j in group:
+            want = torch.cat([sends[i].split(sizes[i])[j] for i in group])
+            torch.testing.assert_close(got[j], want, rtol=0, atol=0)
+        probes = {j: torch.randn_like(got[j]) for j in group}
+        sum((got[j] * probes[j]).sum() for j in group).backward()
+        for i in group:
+            starts = [sum(sizes[s][j] for s in range(i)) for j in group]
+            want = torch.cat([probes[j][starts[j]:starts[j] + sizes[i][j]] for j in group])
+            torch.testing.assert_close(sends[i].grad, want, rtol=0, atol=0)
+
+
+def _routing(tokens, num_experts, top_k, *, ties=False, idle=()):
+    """Top-k expert ids and normalised weights; ``ties``: equal scores, picked in index order;
+    ``idle``: experts no token picks."""
+    g = torch.Generator().manual_seed(tokens * 31 + num_experts)
+    scores = torch.zeros(tokens, num_experts) if ties else torch.rand(tokens, num_experts, generator=g)
+    scores[:, list(idle)] = -1.0
+    weights, index = torch.topk(scores.softmax(-1), top_k, dim=-1)
+    return index, weights / weights.sum(-1, keepdim=True)
+
+
+LAYOUTS = {   # placement, the expert axis, the tokens' nd-SBP
+    "1d": ([0, 1, 2, 3], 0, S(0)),
+    "data_x_expert": ([[0, 1], [2, 3]], 1, (S(0), S(0))),
+    "expert_x_tensor": ([[0, 1], [2, 3]], 0, (S(0), B)),
+}
+OPTIONS = {"gated": {}, "bias": {"bias": True}, "transposed": {"transposed": True, "bias": True},
+           "no_gate": {"gate": False}}
+
+
+@pytest.mark.parametrize("layout, options", list(itertools.product(LAYOUTS, OPTIONS)))
+def test_experts_equal_one_device(layout, options):
+    ranks, axis, tokens_sbp = LAYOUTS[layout]
+    torch.manual_seed(0)
+    one = Experts(num_experts=5, **OPTIONS[options])          # 5 experts over 2 or 4 ranks: uneven
+    experts = copy.deepcopy(one)
+    x, (index, weights) = torch.randn(13, 6), _routing(13, 5, 2)
+    with gt.simulate(4):
+        p = gt.placement("cpu", ranks)
+        plan = {k: tuple(v if a == axis else B for a in range(p.ndim)) for k, v in PLAN.items()}
+        gt.nn.distribute_module(experts, p, plan, strict=False)
+        gt.nn.expert_parallel(experts, p, axis=axis)
+        gx = gt.distribute(x, p, tokens_sbp).requires_grad_()
+        gw = gt.distribute(weights, p, tokens_sbp).requires_grad_()
+        y = experts(gx, gt.distribute(index, p, tokens_sbp), gw)
+        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        want = one(xr, index, wr)
+        probe = torch.randn_like(want)
+        (y * gt.distribute(probe, p, (B,) * p.ndim)).sum().backward()
+        (want * probe).sum().backward()
+        torch.testing.assert_close(y.full_tensor(), want, **EXACT)
+        for got, ref in [(gx.grad, xr.grad), (gw.grad, wr.grad)] + [
+                (a.grad, b.grad) for a, b in zip(experts.parameters(), one.parameters())]:
+            torch.testing.assert_close(got.full_tensor(), ref, **EXACT)
+
+
+@pytest.mark.parametrize("case", ["ties", "idle_experts", "fewer_tokens_than_ranks"])
+def test_routing_corner_cases_drop_no_token(case):
+    """Tied scores (every token picks experts 0 and 1: the other ranks' experts get nothing),
+    experts that no token picks, and ranks that hold no token at all."""
+    tokens = 3 if case == "fewer_tokens_than_ranks" else 12
+    index, weights = _routing(tokens, 4, 2, ties=case == "ties", idle=(1, 2) if case == "idle_experts" else ())
+    torch.manual_seed(1)
+    one = Experts(num_experts=4)
+    experts = copy.deepcopy(one)
+    x = torch.randn(tokens, 6)
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        gt.nn.distribute_module(experts, p, PLAN, strict=False)
+        gt.nn.expert_parallel(experts, p)
+        y = experts(*(gt.distribute(t, p, S(0)) for t in (x, index, weights)))
+        torch.testing.assert_close(y.full_tensor(), one(x, index, weights), **EXACT)
+        assert (y.full_tensor().abs().sum(-1) > 0).all()
+
+
+def test_only_tokens_move_and_the_all_to_all_carries_the_routed_rows():
+    """Per layer: the count exchange (experts x 8 bytes per rank), then each rank sends the rows its
+    tokens route to other ranks' experts, and gets their results back: no weight moves."""
+    torch.manual_seed(2)
+    block = MoE(num_experts=4, hidden=6, inter=5)
+    x = torch.randn(4, 8, 6)
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        gt.nn.distribute_module(block, p, PLAN, strict=False)
+        gt.nn.expert_parallel(block, p)
+        gx = gt.distribute(x, p, S(0))
+        with torch.no_grad():
+            flat = gx.reshape(-1, 6)
+            index = torch.topk(torch.softmax(block.router(flat), -1), 2, dim=-1)[1].full_tensor()
+        with gt.comm_stats() as stats:
+            block(gx)
+        assert stats.ops() == ["all_gather", "all_to_all", "all_to_all"]
+        gathered, there, back = stats.records
+        assert gathered.bytes_per_rank == {r: 3 * 4 * 8 for r in range(4)}    # ring all-gather of 4 counts
+        rows_off_rank = {r: int((index[8 * r:8 * (r + 1)] != r).sum()) for r in range(4)}   # one expert a rank
+        assert there.bytes_per_rank == {r: rows_off_rank[r] * 6 * 8 for r in range(4)}
+        assert sum(back.bytes_per_rank.values()) == sum(there.bytes_per_rank.values())
+
+
+def test_the_profile_names_the_experts_module_for_its_all_to_alls():
+    torch.manual_seed(3)
+    block = MoE(num_experts=4)
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        gt.nn.distribute_module(block, p, PLAN, strict=False)
+        gt.nn.expert_parallel(block, p)
+        with gt.comm_profile(block) as prof:
+            block(gt.distribute(torch.randn(2, 4, 6), p, S(0))).sum().backward()
+        causes = {(e.op, e.module, e.phase) for e in prof.events if e.collective == "all_to_all"}
+        assert causes == {("expert dispatch", "MoE.experts", "forward"),
+                          ("expert dispatch", "MoE.experts", "backward")}, prof.table()
+
+
+def test_errors_name_the_module_and_what_it_needs():
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        with pytest.raises(ValueError, match="no MoE experts module in Linear"):
+            gt.nn.expert_parallel(torch.nn.Linear(2, 2), p)
+        block = MoE(num_experts=4)
+        with pytest.raises(ValueError, match=r"experts.gate_up_proj is not a global tensor; lay the model out first"):
+            gt.nn.expert_parallel(block, p)
+        gt.nn.distribute_module(block, p, {"*down_proj": S(0)})
+        with pytest.raises(ValueError, match=r"experts.gate_up_proj is \(B,\) on .*needs \(S\(0\),\) there"):
+            gt.nn.expert_parallel(block, p)
+        with pytest.raises(ValueError, match=r"expert_parallel\(axis\): expected a placement axis in 0..0, got 1"):
+            gt.nn.expert_parallel(block, p, axis=1)
+
+
+def test_plain_inputs_and_gt_compile_are_refused_with_the_reason():
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        block = MoE(num_experts=4)
+        gt.nn.distribute_module(block, p, PLAN, strict=False)
+        gt.nn.expert_parallel(block, p)
+        index, weights = _routing(4, 4, 2)
+        with pytest.raises(TypeError, match="experts got plain tensors"):
+            block.experts(torch.randn(4, 6), index, weights)
+        step = gt.compile(lambda x: block(x).sum())
+        x = gt.distribute(torch.randn(2, 2, 6), p, S(0))
+        with pytest.raises(RuntimeError, match="its all-to-all's sizes follow the routing, which gt.compile cannot "
+                                               "capture yet"):
+            for _ in range(2):
+                step(x)
