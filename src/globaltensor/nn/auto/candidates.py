@@ -16,7 +16,10 @@ Each placement axis then takes a role:
 - ``tensor``: the Megatron pairs split as above, everything else broadcast, the inputs broadcast;
 - ``fsdp``: every parameter split along its largest dim (gathered where an op needs it whole),
   the inputs split along their batch dim;
-- ``sequence``: parameters broadcast, the inputs split along dim 1.
+- ``sequence``: parameters broadcast, the inputs split along dim 1;
+- ``expert`` (models with MoE experts modules, ``nn/moe``): the experts' stacked weights split over
+  their experts, every other parameter broadcast, the inputs split along their batch dim; the
+  tokens travel to their experts (``gt.nn.expert_parallel``). One axis at most.
 
 A candidate is a role per axis, plus whether the optimizer state is split over the first data axis
 (ZeRO) and whether the tensor role makes the head vocabulary-parallel. The pairing is a guess from
@@ -32,8 +35,9 @@ import torch
 from torch import nn
 
 from ...sbp import blocks_problem, broadcast, split
+from ..moe.experts import find_experts
 
-ROLES = ("data", "tensor", "fsdp", "sequence")
+ROLES = ("data", "tensor", "fsdp", "sequence", "expert")
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,13 @@ class Candidate:
     blocked: bool = False       # the tensor role splits fused column layers block by block
 
     @property
+    def expert_axis(self) -> Optional[int]:
+        return self.roles.index("expert") if "expert" in self.roles else None
+
+    @property
     def name(self) -> str:
         names = {"data": "data parallel", "tensor": "tensor parallel (Megatron)", "fsdp": "FSDP",
-                 "sequence": "sequence split"}
+                 "sequence": "sequence split", "expert": "expert parallel"}
         text = " x ".join(names[r] for r in self.roles)
         return (text + (", fused layers blocked" if self.blocked else "") + (" + ZeRO" if self.zero else "")
                 + (" + vocabulary-parallel head" if self.vocab else ""))
@@ -141,6 +149,7 @@ def parameter_layouts(model: nn.Module, candidate: Candidate, tensors: Dict[str,
     by_name = {layer.name: layer for layer in layers}
     head = vocabulary_head(model, layers)
     head_name = head.name if head is not None and candidate.vocab else None
+    experts = expert_weights(model)
     out = {}
     for name, t in tensors.items():
         per_axis = []
@@ -149,6 +158,8 @@ def parameter_layouts(model: nn.Module, candidate: Candidate, tensors: Dict[str,
                 per_axis.append(_tensor_sbp(name, pairs, by_name, head_name, candidate.blocked))
             elif role == "fsdp":
                 per_axis.append(_fsdp_sbp(t))
+            elif role == "expert" and name in experts:
+                per_axis.append(split(0))
             else:
                 per_axis.append(broadcast)
         out[name] = _fitted(tuple(t.shape), hierarchy, per_axis)
@@ -168,11 +179,16 @@ def _fitted(shape: tuple, hierarchy: tuple, per_axis: list) -> tuple:
         tuple(v if not v.is_split or v.blocks > 1 else broadcast for v in per_axis)
 
 
+def expert_weights(model: nn.Module) -> set:
+    """The qualified names of every MoE experts module's stacked weights."""
+    return {f"{name}.{w}" for name, _, kind in find_experts(model) for w in kind.weights}
+
+
 def input_layout(t: torch.Tensor, roles: Tuple[str, ...]) -> tuple:
     """An input's nd-SBP: its batch dim split on data and fsdp axes, dim 1 on sequence axes."""
     out = []
     for role in roles:
-        if role in ("data", "fsdp") and t.dim() >= 1:
+        if role in ("data", "fsdp", "expert") and t.dim() >= 1:
             out.append(split(0))
         elif role == "sequence" and t.dim() >= 2:
             out.append(split(1))
@@ -189,10 +205,11 @@ def candidates(model: nn.Module, ndim: int, sequence: bool, order: Dict[str, int
     has_pairs = bool(pairs)
     fused = any(blocks > 1 for _, blocks in pairs.values())
     has_head = vocabulary_head(model, layers) is not None
-    roles = [r for r in ROLES if (r != "tensor" or has_pairs or has_head) and (r != "sequence" or sequence)]
+    roles = [r for r in ROLES if (r != "tensor" or has_pairs or has_head) and (r != "sequence" or sequence)
+             and (r != "expert" or expert_weights(model))]
     out = []
     for combo in itertools.product(roles, repeat=ndim):
-        if combo.count("sequence") > 1:
+        if combo.count("sequence") > 1 or combo.count("expert") > 1:
             continue
         out.append(Candidate(combo))
         if "data" in combo:

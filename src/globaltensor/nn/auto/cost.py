@@ -32,6 +32,7 @@ from ...placement import Placement
 from ...ops.schema.op_record import record
 from ...tensor import GlobalTensor, observe_creation
 from ..grad_buckets import bucket_gradients
+from ..moe import expert_parallel_applied
 from ..zero import shard_sbp
 
 
@@ -91,10 +92,10 @@ class MemoizedMeta(TorchDispatchMode):
             kwargs = dict(kwargs, device=_META)
         key = self._key(func, args, kwargs)
         if key is None:
-            return func(*args, **kwargs)
+            return _meta_call(func, args, kwargs)
         made = self.results.get(key)
         if made is None:
-            out = func(*args, **kwargs)
+            out = _meta_call(func, args, kwargs)
             made = self.results[key] = tree_map(_metadata, out)
             return out
         return tree_map(_remade, made)
@@ -118,6 +119,29 @@ class MemoizedMeta(TorchDispatchMode):
 
 
 _META = torch.device("meta")
+
+
+def _meta_call(func, args, kwargs):
+    """``func`` on meta tensors; where its meta kernel refuses a dtype the device kernels take (the
+    grouped matmul's meta check wants bfloat16, its CPU kernel takes float32 too), the shapes are
+    asked of it in bfloat16 and the results given back in the arguments' floating dtype. A run on
+    meta tensors costs layouts; it need not be stricter than the devices are."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as refused:
+        floats = {t.dtype for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.is_meta and t.is_floating_point()}
+        if len(floats) != 1 or torch.bfloat16 in floats:
+            raise
+        dtype = floats.pop()
+        as_bf16 = tree_map(lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_meta and
+                           t.dtype == dtype else t, (args, kwargs))
+        try:
+            out = func(*as_bf16[0], **as_bf16[1])
+        except RuntimeError:
+            raise refused from None
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t,
+                        out)
 
 
 class _TensorMeta:
@@ -179,9 +203,10 @@ def _per_rank_bytes(layouts: List[Layout], factor: int = 1) -> Dict[int, int]:
 
 def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Dict[str, tuple],
              buffers: Dict[str, tuple], args: list, step: Callable, zero_axis, state_factor: int,
-             calibration) -> Cost:
+             calibration, expert_axis=None) -> Cost:
     """The cost of one step of ``model`` with parameters and buffers laid out as given (``{name:
-    nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``."""
+    nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``; ``expert_axis``: the MoE experts'
+    tokens sent to their experts over that axis (their routing modelled as even)."""
     named_params = dict(model.named_parameters())
     named_buffers = dict(model.named_buffers())
     with simulate(world_size) as world:
@@ -200,7 +225,8 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
                 g._sharded_grad = shard_sbp(g, zero_axis)
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
         try:
-            with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta():
+            with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta(), \
+                    _experts(model, placement, expert_axis):
                 step(model, *inputs)
                 del inputs
                 run_labelled("optimizer step", _optimizer_reads, param_layouts, zero_axis, phase="optimizer")
@@ -217,6 +243,10 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
     seconds = _seconds(prof.events, ranks, calibration)
     return Cost(prof.bytes_sent, prof.count, seconds, memory,
                 {k: max(v.get(r, 0) for r in ranks) for k, v in parts.items()}, list(prof.events))
+
+
+def _experts(model: nn.Module, placement: Placement, axis):
+    return contextlib.nullcontext() if axis is None else expert_parallel_applied(model, placement, axis)
 
 
 def _seconds(events, ranks, calibration) -> float:

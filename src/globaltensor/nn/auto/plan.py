@@ -100,6 +100,12 @@ class AutoPlan(Mapping):
         return self.chosen.candidate.roles.index("data") if self.chosen.candidate.zero else None
 
     @property
+    def expert_axis(self) -> Optional[int]:
+        """The placement axis of the chosen plan's expert parallelism, or None: after
+        ``distribute_module``, ``gt.nn.expert_parallel(model, placement, axis=plan.expert_axis)``."""
+        return self.chosen.candidate.expert_axis
+
+    @property
     def cost(self) -> Cost:
         return self.chosen.cost
 
@@ -178,7 +184,7 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         zero_axis = candidate.roles.index("data") if candidate.zero else None
         cost = evaluate(model, placement, world_size, params, buffers,
                         [(shape, dtype, nd) for (shape, dtype), nd in zip(args, inputs)], step, zero_axis,
-                        state_factor, cal)
+                        state_factor, cal, candidate.expert_axis)
         return Option(candidate, params, buffers, inputs, cost)
 
     replicated = Candidate(("data",) * placement.ndim)

@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 
@@ -37,6 +39,21 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0)
             _check_weight(f"{name}.{w}", getattr(module, w), placement, axis)
         module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, name)
     return model
+
+
+@contextlib.contextmanager
+def expert_parallel_applied(model: torch.nn.Module, placement: Placement, axis: int) -> Iterator[None]:
+    """:func:`expert_parallel` while inside (a plan's costing); each experts module's forward as it was after."""
+    previous = [(m, m.__dict__.get("forward")) for _, m, _ in find_experts(model)]
+    expert_parallel(model, placement, axis)
+    try:
+        yield
+    finally:
+        for m, forward in previous:
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
 
 
 def _check_weight(name: str, weight, placement: Placement, axis: int) -> None:

@@ -52,11 +52,13 @@ def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: s
     for group in axis_groups(placement, (axis,)):
         held = [r for r in group if world.holds(r)]
         if held:
-            out.update(_group_forward(module, kind, group, held, xs, idxs, ws, weights, k))
+            rows = {m: x._layout.piece_shape(m)[0] * k for m in group}
+            out.update(_group_forward(module, kind, group, held, xs, idxs, ws, weights, k, rows))
     return assemble(x._layout, ranks, [out[r] for r in ranks])
 
 
-def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idxs, ws, weights, k: int) -> Dict:
+def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idxs, ws, weights, k: int,
+                   rows: Dict[int, int]) -> Dict:
     n_experts = kind.num_experts
     own = balanced_sizes(n_experts, len(group))                 # experts per member
     first = [sum(own[:j]) for j in range(len(group))]
@@ -65,8 +67,11 @@ def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idx
         flat = idxs[r].reshape(-1)
         order[r] = torch.argsort(flat, stable=True)
         sends[r] = xs[r][order[r] // k]
-        counts[r] = torch.bincount(flat, minlength=n_experts)
-    per_expert = exchange_counts(group, counts)                   # member -> its rows per expert
+        counts[r] = torch.zeros(n_experts, dtype=torch.int64, device="meta") if flat.is_meta else \
+            torch.bincount(flat, minlength=n_experts)
+    # member -> its rows per expert; on meta pieces (a plan's costing) the routing is modelled as even
+    modelled = {m: balanced_sizes(rows[m], n_experts) for m in group} if xs[held[0]].is_meta else None
+    per_expert = exchange_counts(group, counts, modelled)
     sizes = [[sum(per_expert[src][first[j]:first[j] + own[j]]) for j in range(len(group))] for src in group]
     received = exchange_rows(group, sizes, sends)
     results = {}

@@ -8,7 +8,7 @@ sends the rows' gradients back along the same routes, an all-to-all of the trans
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -19,14 +19,18 @@ Matrix = List[List[int]]
 
 
 @labelled("expert dispatch")
-def exchange_counts(group: tuple, counts: Dict[int, torch.Tensor]) -> Dict[int, List[int]]:
+def exchange_counts(group: tuple, counts: Dict[int, torch.Tensor],
+                    modelled: Optional[Dict[int, List[int]]] = None) -> Dict[int, List[int]]:
     """Every member's 1-D int64 ``counts`` (the same length everywhere), on every process:
     ``{rank: counts as a list}`` for each member of ``group``; ``counts`` holds the members this
-    process holds."""
+    process holds. ``modelled``: meta counts, which carry no values -- the exchange runs (and is
+    counted) and these are the answer."""
     world = get_world()
     n = len(next(iter(counts.values())))
     gathered = world.all_gather(group, {r: c.view(1, n) for r, c in counts.items()}, 0, [1] * len(group),
                                 (len(group), n), torch.int64)
+    if modelled is not None:
+        return modelled
     rows = next(iter(gathered.values())).tolist()
     return dict(zip(group, rows))
 
