@@ -83,6 +83,23 @@ def _moe_compiled():
         step(x)
 
 
+def _moe_routed(index: torch.Tensor, compiled: bool = False):
+    """An expert-parallel experts module (capacity 12 a rank and expert) given 32 tokens routed by
+    ``index``; compiled: the graph's run on it, after an eager call and a capture routed evenly."""
+    experts = gt.nn.expert_parallel(_moe(plan={"*_proj": S(0)}), p2(), capacity_factor=1.5).experts
+    run = gt.compile(lambda x, i, w: experts(x, i, w).sum()) if compiled else experts
+    x, weights = (gt.distribute(t, p2(), S(0)) for t in (torch.randn(32, 6), torch.full((32, 2), 0.5)))
+    if compiled:
+        tokens = torch.arange(32)
+        for _ in range(2):
+            run(x, gt.distribute(torch.stack([tokens % 4, (tokens + 1) % 4], dim=1), p2(), S(0)), weights)
+    return run(x, gt.distribute(index, p2(), S(0)), weights)
+
+
+def _tied_index():
+    return torch.zeros(32, 2, dtype=torch.int64).index_fill_(1, torch.tensor([1]), 1)
+
+
 def _fused_step(params):
     for t in params:
         t.grad = torch.ones_like(t)
@@ -300,6 +317,9 @@ CASES = {
     "expert-parallel-weight-layout": lambda: gt.nn.expert_parallel(_moe(plan={"*down_proj": S(0)}), p2()),
     "expert-parallel-plain-inputs": _moe_plain_inputs,
     "expert-parallel-compile": _moe_compiled,
+    "expert-parallel-capacity-factor": lambda: gt.nn.expert_parallel(_moe(), p2(), capacity_factor=0),
+    "expert-parallel-over-capacity": lambda: _moe_routed(_tied_index()),
+    "expert-parallel-over-capacity-compiled": lambda: _moe_routed(_tied_index(), compiled=True),
     # ops
     "op-placements-differ": lambda: x84() + gt.randn(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=S(0)),
     "op-writes-plain": lambda: torch.zeros(8, 4).add_(x84()),

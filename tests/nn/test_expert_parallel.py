@@ -165,7 +165,79 @@ def test_plain_inputs_and_gt_compile_are_refused_with_the_reason():
             block.experts(torch.randn(4, 6), index, weights)
         step = gt.compile(lambda x: block(x).sum())
         x = gt.distribute(torch.randn(2, 2, 6), p, S(0))
-        with pytest.raises(RuntimeError, match="its all-to-all's sizes follow the routing, which gt.compile cannot "
-                                               "capture yet"):
+        with pytest.raises(RuntimeError, match="its all-to-all's sizes follow the routing, which a captured graph "
+                                               "cannot; give gt.nn.expert_parallel\\(..., capacity_factor=\\)"):
             for _ in range(2):
                 step(x)
+
+
+def _ep_block(capacity_factor, seed=4):
+    torch.manual_seed(seed)
+    block = MoE(num_experts=4)
+    one = copy.deepcopy(block)
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    gt.nn.distribute_module(block, p, PLAN, strict=False)
+    gt.nn.expert_parallel(block, p, capacity_factor=capacity_factor)
+    return block, one, p
+
+
+def test_a_capacity_pads_each_experts_rows_to_a_fixed_size():
+    """capacity_factor 2: 16 rows a rank over 4 experts, so each rank sends each expert 8 rows, padded;
+    the result is the unpadded one's (float64; the experts run on more rows, so only up to the last
+    bits of the matmul's blocking)."""
+    with gt.simulate(4):
+        block, one, p = _ep_block(2.0)
+        x = torch.randn(4, 8, 6)
+        with gt.comm_stats() as stats:
+            y = block(gt.distribute(x, p, S(0)))
+        torch.testing.assert_close(y.full_tensor(), one(x), **EXACT)
+        a2a = [rec for rec in stats.records if rec.op == "all_to_all"]
+        assert stats.ops().count("all_gather") == 0 and len(a2a) == 2          # no count exchange: fixed sizes
+        assert all(rec.bytes_per_rank == {r: 3 * 8 * 6 * 8 for r in range(4)} for rec in a2a)
+
+
+def test_a_compiled_step_with_a_capacity_trains_like_one_device():
+    with gt.simulate(4):
+        block, one, p = _ep_block(4.0)                                        # 4.0: no routing overflows
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2) for m in (block, one))
+
+        def step(x):
+            loss = block(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        compiled = gt.compile(step)
+        for _ in range(4):                                                    # eager, capture, two graph runs
+            x = torch.randn(4, 8, 6)
+            loss = compiled(gt.distribute(x, p, S(0)))
+            want = one(x).square().mean()
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss.full_tensor(), want, **EXACT)
+        for a, b in zip(block.parameters(), one.parameters()):
+            torch.testing.assert_close(a.full_tensor(), b, **EXACT)
+
+
+def test_routing_over_the_capacity_raises_naming_the_expert_eagerly_and_compiled():
+    """Tied scores send every token to the same two experts (which two, torch.topk leaves open): 8 rows
+    each from every rank, over the capacity of 6 that capacity_factor 1.5 gives (16 rows a rank over 4
+    experts)."""
+    with gt.simulate(4):
+        block, _, p = _ep_block(1.5)
+        with torch.no_grad():
+            block.router.weight.zero_()
+        x = gt.distribute(torch.randn(4, 8, 6), p, S(0))
+        with pytest.raises(RuntimeError, match=r"rank 0 routes 8 rows to expert \d, over its capacity of 6 \(every "
+                                               r"expert's rows: \[[08], [08], [08], [08]\]\); raise capacity_factor"):
+            block(x)
+        compiled = gt.compile(lambda x, index, weights: block.experts(x, index, weights).sum())
+        tokens = torch.arange(32)
+        even = torch.stack([tokens % 4, (tokens + 1) % 4], dim=1)          # 4 rows a rank for every expert
+        flat, weights = (gt.distribute(t, p, S(0)) for t in (torch.randn(32, 6), torch.full((32, 2), 0.5)))
+        for _ in range(2):                                                  # eager, then the capture
+            compiled(flat, gt.distribute(even, p, S(0)), weights)
+        with pytest.raises(gt.GraphError, match=r"rank 0 routes more rows to expert 0 than its capacity of 6"):
+            compiled(flat, gt.distribute(torch.zeros_like(even).index_fill_(1, torch.tensor([1]), 1), p, S(0)),
+                     weights)

@@ -39,6 +39,8 @@ from .graph import Captured, Node, Output, Ref, StorageRef, Value
 _HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default, aten.item.default}
 _raw_grad = torch._C.TensorBase.grad
 _IN_PLACE = {"all_reduce_in_place"}      # collectives that may write their inputs (comm.world)
+#: ops with no result that a graph must still run on every step: they raise when their input says so
+EFFECTS = {aten._assert_async.msg, aten._assert_async.default}
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -274,7 +276,7 @@ class Tracer(TorchDispatchMode):
             outs = [out[j] for j in slots]
         else:
             outs, slots = [], []
-        if any(o.is_meta for o in outs) or (not outs and not written):
+        if any(o.is_meta for o in outs) or (not outs and not written and func not in EFFECTS):
             return out
         self._phase()
         rank = next((self.values[v].rank for v in inputs if self.values[v].rank is not None), running_rank())
@@ -285,7 +287,7 @@ class Tracer(TorchDispatchMode):
                     reads=tuple({self.values[v].storage for v in inputs} - {None}),
                     writes=tuple({storage_key(t) for t in written} - {None}))
         node.metas = {v: self.values[v].meta for v in inputs}
-        node.device = outs[0].device if outs else written[0].device
+        node.device = outs[0].device if outs else (written or tensors)[0].device
         if any(o.device != t.device for o in outs for t in tensors) or \
                 (func is aten.copy_.default and args[0].device != args[1].device):
             node.stream = "copy"

@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch.utils._pytree import tree_unflatten
 
+from .capture import EFFECTS
 from .fuse_views import fuse_views, without_dead_views
 from .graph import Captured, Node
 from .order import communication_first
@@ -47,7 +48,7 @@ def _live(cap: Captured) -> set:
     work = [values[v].node for v in wanted if values[v].kind == "node"]
     for v in wanted:                            # an output filled in after it was made (empty, then copy_)
         work.extend(writers.get(values[v].storage, ()))
-    work += [n.index for n in nodes if n.kind == "collective" or set(n.writes) & external]
+    work += [n.index for n in nodes if n.kind == "collective" or set(n.writes) & external or n.target in EFFECTS]
     live = set()
     while work:
         i = work.pop()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -18,18 +18,26 @@ from .experts import find_experts
 from .forward import expert_parallel_forward
 
 
-def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0) -> torch.nn.Module:
+def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0, *,
+                    capacity_factor: Optional[float] = None) -> torch.nn.Module:
     """Make every MoE experts module of ``model`` dispatch its tokens to its experts' ranks.
 
     The experts' stacked weights must already lie split on their expert dim over placement axis
     ``axis`` (and broadcast on the others), by ``gt.nn.distribute_module``; each experts module's
     forward is then replaced, on the instance, by the all-to-all dispatch (``nn/moe/forward.py``).
     Recognises HuggingFace transformers' experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-    and the other users of ``transformers.integrations.moe``). Returns ``model``.
+    and the other users of ``transformers.integrations.moe``). ``capacity_factor``: each rank sends
+    each expert ``ceil(capacity_factor x its rows / experts)`` rows, padded, so that the sizes are
+    fixed (what ``gt.compile`` needs; ``nn/moe/padded.py``); a step routing more raises. Without it
+    the sizes follow the routing exactly. Returns ``model``.
     """
     placement = check_placement(placement)
     if not isinstance(axis, int) or not 0 <= axis < placement.ndim:
         raise ValueError(f"expert_parallel(axis): expected a placement axis in 0..{placement.ndim - 1}, got {axis!r}")
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or
+                                        not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
+        raise ValueError(f"expert_parallel(capacity_factor): expected a positive number or None, got "
+                         f"{capacity_factor!r}")
     found = find_experts(model)
     if not found:
         raise ValueError(f"expert_parallel: no MoE experts module in {type(model).__name__}; expected HuggingFace "
@@ -37,7 +45,8 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0)
     for name, module, kind in found:
         for w in kind.weights:
             _check_weight(f"{name}.{w}", getattr(module, w), placement, axis)
-        module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, name)
+        module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, name,
+                                           capacity_factor)
     return model
 
 

@@ -16,6 +16,7 @@ along the same routes. No expert weight moves; the weights' gradients stay on th
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List
 
 import torch
@@ -28,18 +29,21 @@ from ...sbp import broadcast, split
 from ...sbp.shape import balanced_sizes
 from ...tensor import GlobalTensor
 from .experts import Stacked, run_expert
+from .padded import padded_forward
 from .token_exchange import exchange_counts, exchange_rows, transposed
 
 
-def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: str,
+def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: str, capacity_factor,
                             hidden_states, top_k_index, top_k_weights):
-    """The module's forward with its tokens sent to the ranks of their experts (see the module doc)."""
+    """The module's forward with its tokens sent to the ranks of their experts (see the module doc);
+    with ``capacity_factor``, in the padded sizes of padded.py."""
     if not all(isinstance(t, GlobalTensor) for t in (hidden_states, top_k_index, top_k_weights)):
         raise TypeError(f"expert_parallel: {name} got plain tensors; its inputs must be global tensors on the "
                         f"placement its weights live on (give the model global inputs)")
-    if observed():
-        raise RuntimeError(f"expert_parallel: {name}: its all-to-all's sizes follow the routing, which gt.compile "
-                           f"cannot capture yet; run the MoE step eagerly")
+    if capacity_factor is None and observed():
+        raise RuntimeError(f"expert_parallel: {name}: its all-to-all's sizes follow the routing, which a captured "
+                           f"graph cannot; give gt.nn.expert_parallel(..., capacity_factor=) to pad them to a size "
+                           f"fixed at capture")
     nd = tuple(split(0) if a == axis else (broadcast if v.is_partial else v)
                for a, v in enumerate(hidden_states.sbp))
     x, idx, w = (t.to_global(placement=placement, sbp=nd) for t in (hidden_states, top_k_index, top_k_weights))
@@ -51,9 +55,14 @@ def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: s
     out = {}
     for group in axis_groups(placement, (axis,)):
         held = [r for r in group if world.holds(r)]
-        if held:
-            rows = {m: x._layout.piece_shape(m)[0] * k for m in group}
+        if not held:
+            continue
+        rows = {m: x._layout.piece_shape(m)[0] * k for m in group}
+        if capacity_factor is None:
             out.update(_group_forward(module, kind, group, held, xs, idxs, ws, weights, k, rows))
+        else:
+            capacity = max(math.ceil(capacity_factor * n / kind.num_experts) for n in rows.values())
+            out.update(padded_forward(module, kind, name, group, held, (xs, idxs, ws), weights, capacity))
     return assemble(x._layout, ranks, [out[r] for r in ranks])
 
 
