@@ -16,6 +16,7 @@ from .from_local import distribute, install_tensor_methods, to_global
 from .local_map import local_map
 from .tensor import GlobalTensor
 from .ops import arange, empty, full, manual_seed, ones, rand, randn, register_rule, zeros
+from .ops.explicit import ImplicitBoxingError, explicit
 from .ops.executor.lists import install_foreach_support
 from .inspect import boxing_plan
 from .viz import render_sharding, visualize
@@ -38,5 +39,5 @@ __all__ = [
     "compile", "CompiledFunction", "CaptureError", "CompileError", "GraphError",
     "to_dtensor", "from_dtensor",
     "comm_profile", "CommProfile", "set_log_level",
-    "set_timeout", "set_check", "CollectiveError", "ConsistencyError", "calibrate",
+    "set_timeout", "set_check", "CollectiveError", "ConsistencyError", "calibrate", "explicit", "ImplicitBoxingError",
 ]

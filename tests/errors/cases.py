@@ -100,6 +100,11 @@ def _tied_index():
     return torch.zeros(32, 2, dtype=torch.int64).index_fill_(1, torch.tensor([1]), 1)
 
 
+def _explicitly(fn):
+    with gt.explicit():
+        return fn()
+
+
 def _fused_step(params):
     for t in params:
         t.grad = torch.ones_like(t)
@@ -343,6 +348,7 @@ CASES = {
     "op-sparse-input": lambda: torch.sparse.mm(torch.eye(8).to_sparse(), x84()),
     "op-sparse-result": lambda: x84().to_sparse(),
     "resize-elements": lambda: x84().resize_(100),
+    "implicit-boxing": lambda: _explicitly(lambda: x84() @ gt.randn(4, 3, placement=p4(), sbp=S(0))),
     # factories and random numbers
     "factory-size": lambda: gt.zeros(-1, 4, placement=p4(), sbp=B),
     "factory-placement": lambda: gt.ones(4, placement="cpu", sbp=B),

@@ -64,14 +64,14 @@ def test_nll_loss2d_candidates(reduction):
 
 
 def test_nll_candidate_sets():
-    """The batch split of a mean takes the whole target (the global total weight); sum and none
-    keep it split; the class split always takes it whole."""
+    """The batch split keeps the target split (a mean all-reduces its total weight, one scalar) or,
+    for a mean, takes it whole; the class split always takes it whole."""
     x, t = torch.randn(8, 6), torch.randint(0, 6, (8,))
     cands = {red: {(c.inputs, c.outputs) for c in candidate_signatures(aten.nll_loss_forward.default, x, t, None,
                                                                        red, -100)} for red in (NONE, MEAN, SUM)}
     assert ((S(0), S(0)), (S(0), B)) in cands[NONE]
     assert ((S(0), S(0)), (P, P)) in cands[SUM]
-    assert ((S(0), B), (P, B)) in cands[MEAN] and not any(ins == (S(0), S(0)) for ins, _ in cands[MEAN])
+    assert ((S(0), B), (P, B)) in cands[MEAN] and ((S(0), S(0)), (P, B)) in cands[MEAN]
     for red, outs in ((NONE, (P, B)), (SUM, (P, P)), (MEAN, (P, B))):
         assert ((S(1), B), outs) in cands[red]
 
@@ -138,9 +138,10 @@ def test_class_split_nll_moves_no_logits(place, sbp, reduction):
         torch.testing.assert_close(xg.grad.full_tensor(), xr.grad)
 
 
-def test_batch_split_mean_moves_only_targets():
-    """Data parallel: the mean over a batch split needs the global count, so the targets (8 bytes
-    each) are gathered -- never the logits -- and nothing else moves until the loss is read."""
+def test_batch_split_mean_moves_one_scalar():
+    """Data parallel: the mean over a batch split needs the global count of the rows not ignored:
+    each rank counts its own and one scalar is all-reduced -- neither the logits nor the targets
+    move, and nothing else until the loss is read."""
     torch.manual_seed(6)
     n, c = 16, 50
     x, t = torch.randn(n, c), _targets(n, c)
@@ -152,7 +153,7 @@ def test_batch_split_mean_moves_only_targets():
         with gt.comm_stats() as st:
             got = F.cross_entropy(xg, tg)
             got.backward()
-        assert st.bytes_sent == n * 8 * 3 // 4      # one all-gather of the targets
+        assert st.ops() == ["all_reduce"] and st.bytes_sent <= 16        # the total weight, one float64
         assert xg.grad.sbp == (S(0),)
         torch.testing.assert_close(got.full_tensor(), want)
         torch.testing.assert_close(xg.grad.full_tensor(), want_grad)
@@ -271,3 +272,43 @@ def test_chunked_linear_cross_entropy_without_reduction_names_why_its_backward_c
                                                                           t.full_tensor(), reduction="none"))
     with pytest.raises(TypeError, match="_linear_cross_entropy_batch_chunked_no_reduction.*without options="):
         loss.sum().backward()
+
+
+# -- sequence-split logits: the loss stays local ------------------------------------------------------------------
+
+SEQUENCE_LAYOUTS = {   # placement, the logits' [b, t, V] nd-SBP, the targets' [b, t]
+    "sequence": ([0, 1, 2, 3], (S(1),), (S(1),)),
+    "sequence_x_vocabulary": ([[0, 1], [2, 3]], (S(1), S(2)), (S(1), B)),
+}
+
+
+@pytest.mark.parametrize("layout", SEQUENCE_LAYOUTS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", ["plain", "ignore_index", "label_smoothing", "weight"])
+def test_cross_entropy_on_sequence_split_logits_moves_no_logits(layout, reduction, options, float64):
+    """``logits.reshape(-1, V)`` of sequence-split ``[b, t, V]`` logits is split on its rows in blocks
+    (``S(0, blocks=b)``): the softmax and the loss take it as it is. Nothing of ``[tokens, V]`` moves:
+    at most a scalar per reduction (the mean's total weight), and with the vocabulary split too,
+    loss parallel's row statistics (a number or two per row)."""
+    ranks, logits_sbp, target_sbp = SEQUENCE_LAYOUTS[layout]
+    b, t, v = 2, 16, 10
+    torch.manual_seed(7)
+    logits, target, weight = torch.randn(b, t, v), _targets(b, v, t, ignore=3), torch.rand(v) + 0.5
+    kw = {"plain": {}, "ignore_index": {"ignore_index": 3}, "label_smoothing": {"label_smoothing": 0.1},
+          "weight": {"weight": weight}}[options]
+    x = logits.clone().requires_grad_()
+    want = F.cross_entropy(x.reshape(-1, v), target.reshape(-1), reduction=reduction, **kw)
+    (want.sum() if reduction == "none" else want).backward()
+    with gt.simulate(4):
+        p = gt.placement("cpu", ranks)
+        xg = gt.distribute(logits, p, logits_sbp).requires_grad_()
+        gkw = {k: gt.distribute(w, p, (B,) * p.ndim) if k == "weight" else w for k, w in kw.items()}
+        with gt.comm_profile() as prof:
+            got = F.cross_entropy(xg.reshape(-1, v), gt.distribute(target, p, target_sbp).reshape(-1),
+                                  reduction=reduction, **gkw)
+            (got.sum() if reduction == "none" else got).backward()
+        torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(xg.grad.full_tensor(), x.grad, rtol=0, atol=1e-12)
+        moved = [e.conversion.shape for e in prof.events if e.conversion is not None]
+        assert all(len(shape) == 0 or shape[-1] <= 2 for shape in moved), prof.table()
+        assert len(moved) == len(prof.events), prof.table()

@@ -14,8 +14,6 @@ run makes the call's effects, once. Python control flow is frozen; a host read (
 """
 from __future__ import annotations
 
-import os
-import traceback
 import weakref
 from typing import Optional
 
@@ -27,6 +25,7 @@ from ..comm import get_world
 from ..comm import stats
 from ..comm.world import observe_collectives
 from ..observe.text import signature_text
+from ..observe.where import user_frame
 from ..ops import rng
 from ..ops.dispatch import decision_for
 from ..ops.schema.op_record import record
@@ -41,26 +40,15 @@ _raw_grad = torch._C.TensorBase.grad
 _IN_PLACE = {"all_reduce_in_place"}      # collectives that may write their inputs (comm.world)
 #: ops with no result that a graph must still run on every step: they raise when their input says so
 EFFECTS = {aten._assert_async.msg, aten._assert_async.default}
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 class CaptureError(RuntimeError):
     """What ``gt.compile`` cannot capture: a host read, an op with a data-dependent output shape."""
 
 
-def _user_frame() -> str:
-    """The innermost frame of the calling program (not torch's, not globaltensor's)."""
-    for frame in reversed(traceback.extract_stack()):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith((_PACKAGE_DIR, _TORCH_DIR)) and "<frozen" not in path:
-            return f'{frame.filename}:{frame.lineno}, in {frame.name}: "{(frame.line or "").strip()}"'
-    return "an unknown place"
-
-
 def _host_read_error(what: str) -> CaptureError:
     return CaptureError(f"gt.compile: {what} reads a tensor's value on the host inside the captured function, at "
-                        f"{_user_frame()}; the value would be frozen into the graph. Return the tensor instead "
+                        f"{user_frame()}; the value would be frozen into the graph. Return the tensor instead "
                         f"and read it outside.")
 
 
@@ -237,7 +225,7 @@ class Tracer(TorchDispatchMode):
             raise _host_read_error(str(func))
         if _data_dependent(func, args, kwargs):
             raise CaptureError(f"gt.compile: {func} has an output shape that depends on the data, at "
-                               f"{_user_frame()}; a captured graph needs shapes fixed at capture")
+                               f"{user_frame()}; a captured graph needs shapes fixed at capture")
         if any(issubclass(t, GlobalTensor) for t in types):
             return self._global_op(func, types, args, kwargs)
         return self._plain_op(func, args, kwargs)

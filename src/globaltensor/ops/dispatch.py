@@ -35,6 +35,7 @@ from .boxed_copy import copy_layout
 from .consistency import confirm_op
 from .decide import Decision, candidates, choose, cost, decide_list, on_pieces, route, through_twin
 from .executor import runner
+from .explicit import explicit
 from .executor.decompose import decomposed_calls, decomposing  # noqa: F401  (the coverage table reads the calls)
 from .interned import intern as _intern
 from .registry import on_rules_changed
@@ -86,7 +87,7 @@ def _key(func, args, kwargs, arg_key=None) -> tuple:
     decision holds the op, so its id is not reused while the entry lives. ``arg_key``: how an
     argument enters (:func:`_arg_key`; a list op's, :func:`_list_arg_key`)."""
     arg_key = arg_key or _arg_key
-    key = [id(func), "inside" if decomposing.recorded else _grad_enabled()]
+    key = [id(func), "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
     key.extend(map(arg_key, args))
     if kwargs:
         key.append(_KEYWORDS)
@@ -103,7 +104,7 @@ def dispatch(cls, func, types, args=(), kwargs=None):
     if fid in _LIST_OPS:
         return _dispatch_list(func, args, kwargs or {})
     # the hit path is ``_key`` inlined for global tensors without a kept copy, one look-up
-    key = [fid, "inside" if decomposing.recorded else _grad_enabled()]
+    key = [fid, "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
     for v in args:
         if type(v) is GlobalTensor and v._boxed is None:
             key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
@@ -200,7 +201,7 @@ def decide(func, args, kwargs) -> Decision:
     problem = candidates(r, func, args, kwargs, _recording())
     if not problem.candidates:                 # no signature keeps what the op writes in its layout
         return through_twin(r, problem) if has_functional(func) else Decision("fallback", func)
-    chosen = choose(problem)
+    chosen = choose(problem, as_they_are=explicit.depth > 0)
     if signatures_logged():
         log_signature(func, problem.in_layouts, chosen, problem.candidates, lambda c: cost(problem, c))
     return on_pieces(r, problem, chosen)

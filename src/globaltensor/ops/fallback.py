@@ -19,6 +19,7 @@ from ..boxing import Layout
 from ..comm import get_world
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, replicate, write_into
+from .explicit import refuse_fallback
 from .schema.op_record import record
 from .registry import find_rule
 from .writes.viewwrite import fallback_view, propagate
@@ -52,6 +53,7 @@ def run_fallback(func, flat, spec):
     taken[func] += 1
     reject_other_layouts(func, flat)
     placement = next(v.placement for v in flat if isinstance(v, GlobalTensor))
+    refuse_fallback(func, [v._layout for v in flat if isinstance(v, GlobalTensor)])
     b = (broadcast,) * placement.ndim
     gathered = list(flat)
     for i, v in enumerate(flat):

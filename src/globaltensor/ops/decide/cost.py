@@ -55,14 +55,16 @@ from ...tensor import gradient_layout
 from .candidates import Problem
 
 
-def choose(problem: Problem):
-    """The admissible candidate of least cost."""
+def choose(problem: Problem, as_they_are: bool = False):
+    """The admissible candidate of least cost; ``as_they_are`` (``gt.explicit()``): of those that take
+    every input in its layout, where there are any -- a partial result included, which the program
+    then reduces where it says so."""
     templates = out_templates(problem)
-    exact = [c for c in problem.candidates if all(nd == lay.nd_sbp for lay, nd in zip(problem.in_layouts, c.inputs))
-             and output_cost(problem.in_layouts, c, templates) == (0, 0)]
+    kept = [c for c in problem.candidates if all(nd == lay.nd_sbp for lay, nd in zip(problem.in_layouts, c.inputs))]
+    exact = [c for c in kept if output_cost(problem.in_layouts, c, templates) == (0, 0)]
     if exact:
         return least(exact, lambda c: (0, 0))
-    return least(problem.candidates, lambda c: cost(problem, c, templates))
+    return least(kept if as_they_are and kept else problem.candidates, lambda c: cost(problem, c, templates))
 
 
 def out_templates(problem: Problem) -> list:

@@ -23,6 +23,7 @@ from ...comm import get_world
 from ...sbp import broadcast
 from ...tensor import GlobalTensor, box, replicate, wrap_fresh, write_into
 from ..boxed_copy import box_input
+from ..explicit import explicit, refuse_implicit
 from ..decide.decision import Decision
 from ..foreach import element_call
 from ..writes.viewwrite import propagate
@@ -101,11 +102,15 @@ class ListRunner:
                     if v._layout == target:
                         v._layout = target
                         continue
+                    if explicit.depth:
+                        refuse_implicit(self.func, [v._layout], [target])
                     values[s, i] = b = box_input(v, target)
                     if slots[s].written:
                         boxed.append((v, b))
                 elif slots[s].written or v.device.type != target.placement.type or \
                         not all(x.is_broadcast for x in target.nd_sbp):
+                    if explicit.depth:
+                        refuse_implicit(self.func, [None], [target])
                     values[s, i] = box(replicate(v, target.placement), target)
         return values, boxed
 

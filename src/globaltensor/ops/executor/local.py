@@ -17,6 +17,7 @@ from ...comm import get_world
 from ...tensor import GlobalTensor, box, replicate, wrap_fresh, wrap_result
 from ..boxed_copy import box_input
 from ..decide.decision import Decision
+from ..explicit import explicit, refuse_implicit
 from ..schema.args import Substitution, get
 from ..schema.op_record import record
 
@@ -126,6 +127,8 @@ class PieceRun:
         """Each tensor input in its target layout: a global tensor, or a plain tensor used as is."""
         flat = self.flat
         values = [args[i] for i in flat] if flat is not None else [get(args, kwargs, p) for p in self.positions]
+        if explicit.depth:
+            refuse_implicit(self.func, [v._layout if type(v) is GlobalTensor else None for v in values], self.targets)
         for n, (v, target) in enumerate(zip(values, self.targets)):
             if type(v) is not GlobalTensor:
                 if not self.all_broadcast[n]:

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from ...boxing import Layout
+from ...tensor import GlobalTensor, box
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
 
@@ -72,11 +74,24 @@ def _nll_forward_candidates(x, target, weight=None, reduction=MEAN, ignore_index
         elif reduction == SUM:
             cands.append(sig([S(d), S(td)] + w, [P, P]))
         else:
+            cands.append(sig([S(d), S(td)] + w, [P, B]))
             cands.append(sig([S(d), B] + w, [P, B]))
     outs = {NONE: [P, B], SUM: [P, P], MEAN: [P, B]}[reduction]
     cands.append(sig([S(1), B] + w, outs))
     cands.append(sig([P, B] + w, [P, B]))
     return cands
+
+
+def _row_split_candidates(x, target, weight=None, reduction=MEAN, ignore_index=-100):
+    """The candidates splitting rows of both ``x`` and ``target``: they hold with the rows blocked
+    alike too (sequence-split logits reshaped to ``[tokens, classes]``)."""
+    return [c for c in _nll_forward_candidates(x, target, weight, reduction, ignore_index)[:len(_row_dims(x)) * (
+        2 if reduction == MEAN else 1)] if c.inputs[1].is_split]
+
+
+def _row_split_backward(grad_output, x, target, weight=None, reduction=MEAN, ignore_index=-100, total_weight=None):
+    return _nll_backward_candidates(grad_output, x, target, weight, reduction, ignore_index,
+                                    total_weight)[:len(_row_dims(x))]
 
 
 def _cut(piece: torch.Tensor, piece_box, want_box, dims) -> torch.Tensor:
@@ -109,14 +124,16 @@ def _class_slice(x_layout, rank):
     """(c0, m): the classes of ``rank``'s piece of ``x``, or None when it holds all of them."""
     if len(x_layout.shape) < 2:
         return None
-    c0, m = x_layout.box(rank)[1]
+    c0, m = x_layout.block_boxes(rank)[0][1][1]      # the same classes in every block of a blocked row split
     return None if (c0, m) == (0, x_layout.shape[1]) else (c0, m)
 
 
 def _nll_forward_kernel(func, args, kwargs, ins, outs, calls):
     x_layout, t_layout = ins[0], ins[1]
     w_layout = ins[2] if len(ins) > 2 else None
-    results = {}
+    split = any(v.is_split for v in x_layout.nd_sbp)
+    row_axes = [a for a, v in enumerate(t_layout.nd_sbp) if v.is_split]
+    results, totals = {}, {}
     for r, (a, kw) in calls.items():
         n = bind(func, a, kw)
         x, target, weight = n["self"], n["target"], n["weight"]
@@ -124,23 +141,34 @@ def _nll_forward_kernel(func, args, kwargs, ins, outs, calls):
         if x.dim() < 2:
             results[r] = func(*a, **kw)
             continue
-        x_box = x_layout.box(r)
-        rows = _cut(target, t_layout.box(r), x_box, [(td, d) for d, td in _row_dims(x)])
+        aligned = tuple(target.shape) == tuple(n for d, n in enumerate(x.shape) if d != 1)
+        rows = target if aligned else _cut(target, t_layout.box(r), x_layout.box(r),
+                                           [(td, d) for d, td in _row_dims(x)])
         if weight is not None:
-            weight = _cut(weight, w_layout.box(r), x_box, [(0, 1)])
+            weight = _cut(weight, w_layout.box(r), x_layout.block_boxes(r)[0][1], [(0, 1)])
         classes = _class_slice(x_layout, r)
         local_t, local_ignore = rows, ignore_index
         if classes is not None:
             local_t, local_ignore = _local_targets(rows, ignore_index, *classes), _LOCAL_IGNORE
-        whole = tuple(x.shape) == tuple(x_layout.shape)
-        if reduction == MEAN and not whole:
-            # the rank's rows over the total weight of every row (the target piece is whole here)
-            total = _total_weight(target, n["weight"], ignore_index, x.dtype)
-            out, _ = func(x, local_t, weight, SUM, local_ignore)
-            results[r] = (out / total, total)
+        if reduction == MEAN and split:
+            # the rank's rows over the total weight of every row: counted from its target piece, and
+            # where the target is split, summed over the axes that split it (one scalar all-reduced)
+            results[r], _ = func(x, local_t, weight, SUM, local_ignore)
+            totals[r] = _total_weight(target, n["weight"], ignore_index, x.dtype)
         else:
             results[r] = func(x, local_t, weight, reduction, local_ignore)
+    if totals:
+        if row_axes:
+            totals = _summed_over(t_layout, row_axes, x_layout.dtype, totals)
+        results = {r: (out / totals[r], totals[r]) for r, out in results.items()}
     return results
+
+
+def _summed_over(t_layout, axes, dtype, pieces: dict) -> dict:
+    """Scalars (one per held rank) summed over the placement ``axes``: a partial sum all-reduced."""
+    nd = tuple(P if a in axes else B for a in range(len(t_layout.nd_sbp)))
+    partial = GlobalTensor(Layout((), dtype, t_layout.placement, nd), pieces)
+    return box(partial, Layout((), dtype, t_layout.placement, (B,) * len(nd)))._pieces
 
 
 def _nll_backward_candidates(grad_output, x, target, weight=None, reduction=MEAN, ignore_index=-100,
@@ -166,11 +194,11 @@ def _nll_backward_local(rank, ins, outs, *args, **kwargs):
     n["target"] = _local_targets(n["target"], n["ignore_index"], *classes)
     n["ignore_index"] = _LOCAL_IGNORE
     if n["weight"] is not None:
-        n["weight"] = _cut(n["weight"], ins[3].box(rank), x_layout.box(rank), [(0, 1)])
+        n["weight"] = _cut(n["weight"], ins[3].box(rank), x_layout.block_boxes(rank)[0][1], [(0, 1)])
     return call_args(func, n)
 
 
 register_rule([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default], _nll_forward_candidates,
-              kernel=_nll_forward_kernel)
+              kernel=_nll_forward_kernel, blocked=_row_split_candidates)
 register_rule([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default], _nll_backward_candidates,
-              local=_nll_backward_local)
+              local=_nll_backward_local, blocked=_row_split_backward)

@@ -37,6 +37,17 @@ def _softmax_backward(grad_output, output, dim, input_dtype):
     return [sig([S(d), S(d)], [S(d)]) for d in range(output.dim())] + [sig([P, B], [P])]
 
 
+def _rows_kept(x, dim, *rest):
+    """The candidates splitting a dim other than the softmax dim: each row's classes stay together,
+    so a blocked split of those dims (sequence-split logits reshaped to ``[tokens, vocab]``) holds."""
+    return each_dim_kept(x, skip={norm_dim(dim, x.dim())})
+
+
+def _rows_kept_backward(grad_output, output, dim, input_dtype):
+    dim = norm_dim(dim, output.dim())
+    return [sig([S(d), S(d)], [S(d)]) for d in range(output.dim()) if d != dim]
+
+
 def _split_axes(layout: Layout, dim: int) -> list:
     return [a for a, v in enumerate(layout.nd_sbp) if v.is_split and v.dim == dim]
 
@@ -116,6 +127,7 @@ def split_softmax_backward_kernel(func, args, kwargs, ins, outs, calls):
     return {r: o.to(outs[0].dtype) for r, o in out.items()}
 
 
-register_rule([aten._softmax.default, aten._log_softmax.default], _softmax, kernel=split_softmax_kernel)
+register_rule([aten._softmax.default, aten._log_softmax.default], _softmax, kernel=split_softmax_kernel,
+              blocked=_rows_kept)
 register_rule([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default], _softmax_backward,
-              kernel=split_softmax_backward_kernel)
+              kernel=split_softmax_backward_kernel, blocked=_rows_kept_backward)
