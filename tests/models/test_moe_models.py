@@ -1,6 +1,7 @@
 """HuggingFace Mixtral and Qwen2-MoE (tiny configs, their own code) trained with expert parallelism beside
 one device: the experts split over one placement axis, tokens routed to them by all-to-all, with data
-parallel on the same axis (4 ranks) or attention tensor-parallel on another (2x2); 3 AdamW steps.
+parallel on the same axis (4 ranks) or attention tensor-parallel on another (2x2), the experts
+themselves broadcast or tensor-parallel there too; 3 AdamW steps.
 
 Float64 (the reference's experts run HF's "eager" implementation: torch's grouped matmul has no
 float64 kernel). The runs differ by the order of sums only: a gradient entry sums a few hundred
@@ -45,12 +46,15 @@ def plans(kind: str, layout: str):
     attention = {f"*.self_attn.{n}_proj.weight": (B, S(0)) for n in "qkv"}
     attention.update({f"*.self_attn.{n}_proj.bias": (B, S(0)) for n in "qkv"} if kind == "qwen2_moe" else {})
     attention["*.self_attn.o_proj.weight"] = (B, S(1))
-    experts = {"*.experts.gate_up_proj": (S(0), B), "*.experts.down_proj": (S(0), B)}
+    if layout == "ep_tp":                   # the experts broadcast over the tensor axis
+        experts = {"*.experts.gate_up_proj": (S(0), B), "*.experts.down_proj": (S(0), B)}
+    else:                                   # "ep_tp_experts": each expert split over it too, Megatron's way
+        experts = {"*.experts.gate_up_proj": (S(0), S(1, 2)), "*.experts.down_proj": (S(0), S(2))}
     return [[0, 1], [2, 3]], {**attention, **experts}, 0, (S(0), B)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-@pytest.mark.parametrize("layout", ["ep_dp", "ep_tp"])
+@pytest.mark.parametrize("layout", ["ep_dp", "ep_tp", "ep_tp_experts"])
 def test_expert_parallel_trains_like_one_device(world4, kind, layout):
     model = make(kind)
     reference = copy.deepcopy(model)

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.nn.moe.token_exchange import exchange_rows
-from globaltensor.sbp import B, S
+from globaltensor.sbp import B, P, S
 from moe_models import MoE, Experts
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -82,6 +82,38 @@ def test_experts_equal_one_device(layout, options):
             torch.testing.assert_close(got.full_tensor(), ref, **EXACT)
 
 
+@pytest.mark.parametrize("options", ["gated", "no_gate", "transposed"])
+def test_tensor_parallel_experts_on_a_second_axis_give_a_partial_sum(options):
+    """Experts split over axis 0 and each expert split Megatron's way over axis 1 (the up projection's
+    output features, gate and up alike; the down projection's input features): the tokens are
+    broadcast over axis 1, each rank computes its share of its experts' features, and the result is
+    partial over axis 1 -- summed where the program next needs it."""
+    torch.manual_seed(5)
+    one = Experts(num_experts=4, **{"gated": {}, "no_gate": {"gate": False}, "transposed": {"transposed": True}}[options])
+    experts = copy.deepcopy(one)
+    up = "up_proj" if options == "no_gate" else "gate_up_proj"
+    dims = (2, 1) if options == "transposed" else (1, 2)
+    plan = {f"*{up}": (S(0), S(dims[0], 1 if options == "no_gate" else 2)), "*down_proj": (S(0), S(dims[1]))}
+    x, (index, weights) = torch.randn(13, 6), _routing(13, 4, 2)
+    with gt.simulate(4):
+        p = gt.placement("cpu", [[0, 1], [2, 3]])
+        gt.nn.distribute_module(experts, p, plan)
+        gt.nn.expert_parallel(experts, p, axis=0)
+        gx = gt.distribute(x, p, (S(0), B)).requires_grad_()
+        y = experts(gx, *(gt.distribute(t, p, (S(0), B)) for t in (index, weights)))
+        assert y.sbp == (S(0), P)
+        xr = x.clone().requires_grad_()
+        want = one(xr, index, weights)
+        probe = torch.randn_like(want)
+        (y * gt.distribute(probe, p, (B, B))).sum().backward()
+        (want * probe).sum().backward()
+        torch.testing.assert_close(y.full_tensor(), want, **EXACT)
+        torch.testing.assert_close(gx.grad.full_tensor(), xr.grad, **EXACT)
+        for a, b in zip(experts.parameters(), one.parameters()):
+            assert a.grad.sbp == a.sbp
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad, **EXACT)
+
+
 @pytest.mark.parametrize("case", ["ties", "idle_experts", "fewer_tokens_than_ranks"])
 def test_routing_corner_cases_drop_no_token(case):
     """Tied scores (every token picks experts 0 and 1: the other ranks' experts get nothing),
@@ -148,7 +180,7 @@ def test_errors_name_the_module_and_what_it_needs():
         with pytest.raises(ValueError, match=r"experts.gate_up_proj is not a global tensor; lay the model out first"):
             gt.nn.expert_parallel(block, p)
         gt.nn.distribute_module(block, p, {"*down_proj": S(0)})
-        with pytest.raises(ValueError, match=r"experts.gate_up_proj is \(B,\) on .*needs \(S\(0\),\) there"):
+        with pytest.raises(ValueError, match=r"experts.gate_up_proj is \(B,\) on .*needs it \(S\(0\),\): experts split"):
             gt.nn.expert_parallel(block, p)
         with pytest.raises(ValueError, match=r"expert_parallel\(axis\): expected a placement axis in 0..0, got 1"):
             gt.nn.expert_parallel(block, p, axis=1)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
 from ...placement import Placement
 from ...sbp import Split, broadcast
 from ...tensor import GlobalTensor, check_placement
-from .experts import find_experts
+from .experts import Stacked, find_experts
 from .forward import expert_parallel_forward
 
 
@@ -43,9 +43,8 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0,
         raise ValueError(f"expert_parallel: no MoE experts module in {type(model).__name__}; expected HuggingFace "
                          f"transformers' experts (3-D gate_up_proj or up_proj and down_proj, num_experts on dim 0)")
     for name, module, kind in found:
-        for w in kind.weights:
-            _check_weight(f"{name}.{w}", getattr(module, w), placement, axis)
-        module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, name,
+        tensor_axes = _tensor_axes(name, module, kind, placement, axis)
+        module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, tensor_axes, name,
                                            capacity_factor)
     return model
 
@@ -65,15 +64,27 @@ def expert_parallel_applied(model: torch.nn.Module, placement: Placement, axis: 
                 m.forward = forward
 
 
-def _check_weight(name: str, weight, placement: Placement, axis: int) -> None:
-    want = tuple(Split(0) if a == axis else broadcast for a in range(placement.ndim))
-    if not isinstance(weight, GlobalTensor):
-        raise ValueError(f"expert_parallel: {name} is not a global tensor; lay the model out first, its experts split "
-                         f"on dim 0 over axis {axis}: gt.nn.distribute_module(model, placement, "
-                         f"{{'*.experts.{name.rsplit('.', 1)[-1]}': ...}})")
-    ok = weight.placement == placement and all(
-        (v.is_split and v.dim == 0) if a == axis else v.is_broadcast for a, v in enumerate(weight.sbp))
-    if not ok:
-        raise ValueError(f"expert_parallel: {name} is {weight.sbp} on {weight.placement}; expert parallelism on "
-                         f"axis {axis} of {placement} needs {want} there (experts split on dim 0 over the axis, "
-                         f"broadcast over the others)")
+def _tensor_axes(name: str, module, kind: Stacked, placement: Placement, axis: int) -> Tuple[int, ...]:
+    """Check the experts' weights' layouts; the placement axes that split every expert Megatron's way
+    (tensor-parallel experts: a partial result to be summed over the axis), the others broadcast."""
+    weights = {w: getattr(module, w) for w in kind.weights}
+    for w, t in weights.items():
+        if not isinstance(t, GlobalTensor):
+            raise ValueError(f"expert_parallel: {name}.{w} is not a global tensor; lay the model out first, its experts "
+                             f"split on dim 0 over axis {axis}: gt.nn.distribute_module(model, placement, "
+                             f"{{'*.experts.{w}': ...}})")
+    tensor_axes = []
+    for a in range(placement.ndim):
+        tensor = a != axis and any(not t.sbp[a].is_broadcast for t in weights.values()) and not kind.has_bias
+        want = {w: Split(0) if a == axis else (kind.tensor_split(w) if tensor else broadcast) for w in weights}
+        for w, t in weights.items():
+            if t.placement != placement or t.sbp[a] != want[w]:
+                nd = tuple(want[w] if b == a else v for b, v in enumerate(t.sbp)) if t.placement == placement else \
+                    "on the placement " + str(placement)
+                raise ValueError(f"expert_parallel: {name}.{w} is {t.sbp} on {t.placement}; expert parallelism on axis "
+                                 f"{axis} needs it {nd}: experts split on dim 0 over that axis, and on each other axis "
+                                 f"broadcast or, for tensor-parallel experts without biases, split as Megatron splits "
+                                 f"an MLP ({', '.join(f'{v}: {kind.tensor_split(v)}' for v in weights)})")
+        if tensor:
+            tensor_axes.append(a)
+    return tuple(tensor_axes)

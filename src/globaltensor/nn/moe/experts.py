@@ -14,6 +14,8 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
+from ...sbp import split
+
 
 @dataclass(frozen=True)
 class Stacked:
@@ -28,6 +30,16 @@ class Stacked:
     def weights(self) -> Tuple[str, ...]:
         names = (self.up, "down_proj")
         return names + tuple(f"{n}_bias" for n in names) if self.has_bias else names
+
+    def tensor_split(self, name: str):
+        """The split a tensor-parallel axis gives weight ``name``: the up projection's output features
+        (gate and up, ``[gate | up]``, each split alike: blocked in two) and the down projection's
+        input features, as Megatron splits an MLP; None for a bias (not split that way)."""
+        if name == self.up:
+            return split(2 if self.transposed else 1, 2 if self.up == "gate_up_proj" else 1)
+        if name == "down_proj":
+            return split(1 if self.transposed else 2)
+        return None
 
 
 def stacked_experts(module: torch.nn.Module):

@@ -25,7 +25,7 @@ from ...boxing.layout import axis_groups
 from ...comm import get_world
 from ...comm.world import observed
 from ...local_map import assemble, pieces_of
-from ...sbp import broadcast, split
+from ...sbp import broadcast, partial_sum, split
 from ...sbp.shape import balanced_sizes
 from ...tensor import GlobalTensor
 from .experts import Stacked, run_expert
@@ -33,10 +33,11 @@ from .padded import padded_forward
 from .token_exchange import exchange_counts, exchange_rows, transposed
 
 
-def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: str, capacity_factor,
-                            hidden_states, top_k_index, top_k_weights):
+def expert_parallel_forward(module, kind: Stacked, placement, axis: int, tensor_axes: tuple, name: str,
+                            capacity_factor, hidden_states, top_k_index, top_k_weights):
     """The module's forward with its tokens sent to the ranks of their experts (see the module doc);
-    with ``capacity_factor``, in the padded sizes of padded.py."""
+    with ``capacity_factor``, in the padded sizes of padded.py. Over ``tensor_axes`` every expert is
+    split Megatron's way: the tokens are broadcast there and the result is partial, summed later."""
     if not all(isinstance(t, GlobalTensor) for t in (hidden_states, top_k_index, top_k_weights)):
         raise TypeError(f"expert_parallel: {name} got plain tensors; its inputs must be global tensors on the "
                         f"placement its weights live on (give the model global inputs)")
@@ -44,9 +45,13 @@ def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: s
         raise RuntimeError(f"expert_parallel: {name}: its all-to-all's sizes follow the routing, which a captured "
                            f"graph cannot; give gt.nn.expert_parallel(..., capacity_factor=) to pad them to a size "
                            f"fixed at capture")
-    nd = tuple(split(0) if a == axis else (broadcast if v.is_partial else v)
+    nd = tuple(split(0) if a == axis else (broadcast if v.is_partial or a in tensor_axes else v)
                for a, v in enumerate(hidden_states.sbp))
     x, idx, w = (t.to_global(placement=placement, sbp=nd) for t in (hidden_states, top_k_index, top_k_weights))
+    if tensor_axes and w.dtype != x.dtype:
+        # each tensor rank's share of a routing weight's gradient is summed in the tokens' precision and
+        # only then rounded to the weights' (HF routers give float32 weights), as on one device
+        w = w.to(x.dtype).to_global(sbp=nd, grad_sbp=nd)
     world = get_world()
     ranks = tuple(r for r in placement.rank_list() if world.holds(r))
     xs, idxs, ws = (dict(zip(ranks, pieces_of(t, ranks))) for t in (x, idx, w))
@@ -63,7 +68,8 @@ def expert_parallel_forward(module, kind: Stacked, placement, axis: int, name: s
         else:
             capacity = max(math.ceil(capacity_factor * n / kind.num_experts) for n in rows.values())
             out.update(padded_forward(module, kind, name, group, held, (xs, idxs, ws), weights, capacity))
-    return assemble(x._layout, ranks, [out[r] for r in ranks])
+    layout = x._layout.with_sbp(tuple(partial_sum if a in tensor_axes else v for a, v in enumerate(nd)))
+    return assemble(layout, ranks, [out[r] for r in ranks])
 
 
 def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idxs, ws, weights, k: int,
