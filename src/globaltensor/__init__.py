@@ -13,7 +13,6 @@ from .observe import CommProfile, comm_profile, set_log_level
 from .observe.consistency import set_check
 from .placement import Placement, placement
 from .from_local import distribute, install_tensor_methods, to_global
-from .local_map import local_map
 from .tensor import GlobalTensor
 from .ops import arange, empty, full, manual_seed, ones, rand, randn, register_rule, zeros
 from .ops.explicit import ImplicitBoxingError, explicit
@@ -21,6 +20,7 @@ from .ops.executor.lists import install_foreach_support
 from .inspect import boxing_plan
 from .viz import render_sharding, visualize
 from . import nn
+from .nn.local_map import local_map
 from .nn.auto import calibrate
 from .actor_rt import CaptureError, CompileError, CompiledFunction, GraphError, compile
 from .interop import from_dtensor, install_dcp_protocol, install_to_dtensor, to_dtensor

@@ -30,7 +30,7 @@ from ..ops import rng
 from ..ops.dispatch import decision_for
 from ..ops.schema.op_record import record
 from ..from_local import reading_meta
-from ..local_map import running_rank
+from ..nn.local_map import running_rank
 from ..tensor import GlobalTensor, observe_creation
 from ..compat.torch_ops import aten
 from .graph import Captured, Node, Output, Ref, StorageRef, Value

@@ -24,7 +24,7 @@ import torch
 from ...boxing.layout import axis_groups
 from ...comm import get_world
 from ...comm.world import observed
-from ...local_map import assemble, pieces_of
+from ..local_map import assemble, pieces_of
 from ...sbp import broadcast, partial_sum, split
 from ...sbp.shape import balanced_sizes
 from ...tensor import GlobalTensor

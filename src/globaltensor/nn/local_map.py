@@ -19,13 +19,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .boxing import Layout
-from .comm import get_world
-from .comm.world import forbid_collectives
-from .from_local import exchange_shapes, logical_shape, meta_read
-from .placement import Placement
-from .sbp import SbpValue, as_nd_sbp, broadcast, partial_sum
-from .tensor import GlobalTensor, box_like, check_placement, wrap_result
+from ..boxing import Layout
+from ..comm import get_world
+from ..comm.world import forbid_collectives
+from ..from_local import exchange_shapes, logical_shape, meta_read
+from ..placement import Placement
+from ..sbp import SbpValue, as_nd_sbp, broadcast, partial_sum
+from ..tensor import GlobalTensor, box_like, check_placement, wrap_result
 
 
 class _Running:

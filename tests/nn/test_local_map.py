@@ -1,4 +1,4 @@
-"""gt.local_map (local_map.py): per-rank code on the pieces, checked against the same computation on
+"""gt.local_map (nn/local_map.py): per-rank code on the pieces, checked against the same computation on
 one device, forward and backward, in every layout of a 2-D placement; its errors; under gt.compile."""
 import itertools
 
