@@ -93,3 +93,67 @@ def test_sdpa_split_layouts_exact(place, sbp):
         for t, leaf in zip((gq, gk, gv), leaves):
             assert t.grad.sbp == t.sbp
             torch.testing.assert_close(t.grad.full_tensor(), leaf.grad, rtol=1e-4, atol=1e-5)
+
+
+# -- ring attention (rules/ring_attention.py) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads, kv_heads, length", [(2, 2, 13), (2, 1, 16), (8, 8, 16)], ids=["uneven", "gqa", "8heads"])
+def test_ring_attention_equals_one_device_and_moves_only_key_value_blocks(causal, heads, kv_heads, length, float64):
+    """q, k and v split on the sequence, taken as they are (gt.explicit: the ring is the one signature
+    that does): forward and backward equal one device; every byte is a key/value block passed on or
+    a gradient share sent home -- no gather, no all-to-all."""
+    torch.manual_seed(heads * 100 + length)
+    q, k, v = torch.randn(2, heads, length, 8), torch.randn(2, kv_heads, length, 8), torch.randn(2, kv_heads, length, 8)
+    kw = {"enable_gqa": True} if heads != kv_heads else {}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=causal, **kw)
+    probe = torch.randn_like(want)
+    (want * probe).sum().backward()
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        split = [gt.distribute(t, p, S(2)).requires_grad_() for t in (q, k, v)]
+        with gt.explicit(), gt.comm_stats() as stats:
+            got = F.scaled_dot_product_attention(*split, is_causal=causal, **kw)
+            (got * gt.distribute(probe, p, S(2))).sum().backward()
+        assert got.sbp == (S(2),) and set(stats.ops()) == {"send_recv"}, stats.ops()
+        torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
+        for a, b in zip(split, leaves):
+            assert a.grad.sbp == (S(2),)
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
+
+
+def test_ring_attention_bytes_and_the_causal_blocks_skipped(float64):
+    """Forward: each rank passes on 3 of the 4 key/value blocks. Backward: the blocks again, and the
+    gradient shares of the blocks it saw -- under the causal mask only those before its rows."""
+    from globaltensor.ops.rules.ring_attention import ring_bytes
+    block = 2 * (2 * 2 * 4 * 8 * 8)                  # a k and a v block: [2, 2, 4, 8] float64
+    sent = {}
+    for causal in (False, True):
+        with gt.simulate(4):
+            p = gt.placement("cpu", [0, 1, 2, 3])
+            q, k, v = (gt.distribute(torch.randn(2, 2, 16, 8), p, S(2)).requires_grad_() for _ in range(3))
+            with gt.explicit():
+                with gt.comm_stats() as forward:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                with gt.comm_stats() as backward:
+                    out.sum().backward()
+            sent[causal] = backward.bytes_sent, sum(backward.per_rank.values())
+            assert forward.bytes_sent == 3 * block == ring_bytes(k.layout_meta, v.layout_meta, backward=False)
+    assert sent[False][0] == 6 * block == ring_bytes(k.layout_meta, v.layout_meta, backward=True)
+    # causal: rank i saw only blocks 0..i, so it sends i shares, not 3 (the busiest, rank 3, still 3)
+    assert sent[True][1] == sent[False][1] - 6 * block and sent[True][0] == sent[False][0]
+
+
+@pytest.mark.parametrize("heads, recorded, chosen", [(8, True, "all_to_all"), (2, False, "send_recv")],
+                         ids=["ulysses_with_heads", "ring_without_grad"])
+def test_the_cost_model_chooses_between_ring_and_ulysses_by_bytes(heads, recorded, chosen, float64):
+    """Heads to spare and a backward to pay for: the all-to-all to a head split (Ulysses) sends the
+    least. Without autograd, ring's one rotation ties with gathering k and v, and the ring, listed first,
+    keeps the key/value blocks where they are."""
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        q, k, v = (gt.distribute(torch.randn(2, heads, 64, 16), p, S(2)).requires_grad_(recorded) for _ in range(3))
+        with gt.comm_stats() as stats:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert chosen in stats.ops(), stats.ops()

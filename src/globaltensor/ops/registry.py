@@ -20,6 +20,10 @@ meta, ``[0]`` on CPU), ``out_meta(meta_out, device_type, *args, **kwargs)`` retu
 once per call even when this process holds no rank of the placement (random ops reserve
 their counters there, so every process agrees), for ops whose pieces are not simply the
 aten op on the pieces (a random mask drawn from the rank's box, a vocabulary-split lookup).
+``kernel_bytes``: for a ``kernel`` that communicates by itself (ring attention passing its key and
+value blocks around), ``kernel_bytes(inputs' layouts under a candidate, recorded) -> int``, the most
+bytes a rank sends (``recorded``: autograd records the op, so its backward's count too, as the
+gradients' way back does for boxing): the cost model adds them to the candidate's boxing.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class Rule:
     kernel: Optional[Callable] = None
     blocked: object = False
     out_meta: Optional[Callable] = None
+    kernel_bytes: Optional[Callable] = None
 
 
 RULES: dict = {}
@@ -62,7 +67,7 @@ def _overloads(op) -> list:
 
 
 def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False,
-                  out_meta=None):
+                  out_meta=None, kernel_bytes=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
@@ -70,7 +75,8 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     """
     def install(fn):
         _check_rule(ops, fn, local, kernel, out_meta)
-        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta)
+        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta,
+                    kernel_bytes)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule

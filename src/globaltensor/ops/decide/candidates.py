@@ -9,6 +9,7 @@ input and as the output that returns it; blocked splits must lay out their tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -35,6 +36,7 @@ class Problem:
     returned: dict                  # output position -> tensor-input index of a written input it returns
     candidates: list                # the admissible NdSignatures
     placement: Placement
+    kernel_bytes: Optional[Callable] = None   # the rule's: what its kernel sends under a candidate
 
 
 def candidates(r: Route, func, args, kwargs, recording) -> Problem:
@@ -66,7 +68,8 @@ def candidates(r: Route, func, args, kwargs, recording) -> Problem:
         admitted = [c for c in admitted if pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, r.positions,
                                                           rule, placement)]
     return Problem(in_layouts, out_meta, recorded, [copy_layout(t) if type(t) is GlobalTensor else None
-                                                     for t in tensors], written, returned, admitted, placement)
+                                                     for t in tensors], written, returned, admitted, placement,
+                   rule.kernel_bytes)
 
 
 def blocked_variants(rule, per_axis, counts, meta_args, meta_kwargs) -> list:

@@ -61,7 +61,8 @@ def choose(problem: Problem, as_they_are: bool = False):
     then reduces where it says so."""
     templates = out_templates(problem)
     kept = [c for c in problem.candidates if all(nd == lay.nd_sbp for lay, nd in zip(problem.in_layouts, c.inputs))]
-    exact = [c for c in kept if output_cost(problem.in_layouts, c, templates) == (0, 0)]
+    exact = [c for c in kept if output_cost(problem.in_layouts, c, templates) == (0, 0)
+             and not _kernel_bytes(problem, c)]
     if exact:
         return least(exact, lambda c: (0, 0))
     return least(kept if as_they_are and kept else problem.candidates, lambda c: cost(problem, c, templates))
@@ -92,7 +93,15 @@ def cost(problem: Problem, c, templates: list = None) -> tuple:
         total += sum(p.bytes for p in plans)
         steps += sum(len(p.steps) for p in plans)
     later = output_cost(problem.in_layouts, c, out_templates(problem) if templates is None else templates)
-    return total + later[0], steps + later[1]
+    return total + later[0] + _kernel_bytes(problem, c), steps + later[1]
+
+
+def _kernel_bytes(problem: Problem, c) -> int:
+    """What the rule's kernel sends by itself under candidate ``c`` (ring attention's blocks), or 0."""
+    if problem.kernel_bytes is None:
+        return 0
+    return problem.kernel_bytes([lay.with_sbp(nd) for lay, nd in zip(problem.in_layouts, c.inputs)],
+                                any(problem.recorded))
 
 
 def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:

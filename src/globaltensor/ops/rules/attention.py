@@ -34,6 +34,7 @@ import torch
 
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
+from .ring_attention import ring_backward, ring_bytes, ring_forward, seq_axes
 
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -61,6 +62,8 @@ def _forward_candidates(query, key, value, dropout_p=0.0, is_causal=False, *, at
     cands = [sig([S(0)] * 3 + _mask(attn_mask, 0), [S(0), S(0)])]
     if query.shape[1] == key.shape[1]:
         cands.append(sig([S(1)] * 3 + _mask(attn_mask, 1), [S(1), S(1)]))
+    if attn_mask is None:
+        cands.append(sig([S(2)] * 3, [S(2), S(2)]))                               # ring attention
     if not (is_causal and attn_mask is not None):
         cands.append(sig([S(2), B, B] + _mask(attn_mask, 2), [S(2), S(2)]))
     return cands
@@ -73,6 +76,8 @@ def _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p=
     cands = [sig([S(0)] * 6 + _mask(attn_mask, 0), [S(0)] * 3)]
     if query.shape[1] == key.shape[1]:
         cands.append(sig([S(1)] * 6 + _mask(attn_mask, 1), [S(1)] * 3))
+    if attn_mask is None:
+        cands.append(sig([S(2)] * 6, [S(2)] * 3))                                   # ring attention
     if not (is_causal and attn_mask is not None):
         cands.append(sig([S(2), S(2), B, B, S(2), S(2)] + _mask(attn_mask, 2), [S(2), P, P]))
     cands.append(sig([P] + [B] * 5 + ([B] if attn_mask is not None else []), [P, P, P]))
@@ -94,7 +99,7 @@ def _causal_rows(query_layout, rank, query, key):
 def _local(func, q_index):
     def local(rank, ins, outs, *args, **kwargs):
         n = bind(func, args, kwargs)
-        if not n["is_causal"]:
+        if not n["is_causal"] or seq_axes(ins[q_index + 1]):     # ring attention masks its blocks itself
             return args, kwargs
         mask = _causal_rows(ins[q_index], rank, n["query"], n["key"])
         if mask is None:
@@ -105,6 +110,8 @@ def _local(func, q_index):
 
 
 def _forward_kernel(func, args, kwargs, ins, outs, calls):
+    if seq_axes(ins[1]):
+        return _ring(ring_forward, func, ins, calls)
     results = {}
     for r, (a, kw) in calls.items():
         q = bind(func, a, kw)["query"]
@@ -116,6 +123,8 @@ def _forward_kernel(func, args, kwargs, ins, outs, calls):
 
 
 def _backward_kernel(func, args, kwargs, ins, outs, calls):
+    if seq_axes(ins[2]):
+        return _ring(ring_backward, func, ins, calls)
     results = {}
     for r, (a, kw) in calls.items():
         n = bind(func, a, kw)
@@ -128,5 +137,25 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel)
-register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel)
+def _ring(run, func, ins, calls):
+    named = {r: bind(func, a, kw) for r, (a, kw) in calls.items()}
+    first = next(iter(named.values()))
+    return run(func, named, ins, first["is_causal"], first["scale"])
+
+
+def _forward_bytes(ins, recorded: bool) -> int:
+    """What ring attention's blocks cost on top of the boxing: one rotation of k and v, and where
+    autograd records the op, its backward's too."""
+    if not seq_axes(ins[1]):
+        return 0
+    return ring_bytes(ins[1], ins[2], backward=False) + (ring_bytes(ins[1], ins[2], backward=True) if recorded else 0)
+
+
+def _backward_bytes(ins, recorded: bool) -> int:
+    """The backward's: a rotation of k and v, and the key/value gradient shares sent home."""
+    return ring_bytes(ins[2], ins[3], backward=True) if seq_axes(ins[2]) else 0
+
+
+register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel, kernel_bytes=_forward_bytes)
+register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
+              kernel_bytes=_backward_bytes)
