@@ -62,11 +62,10 @@ def _block_mask(q_rows, k_cols, causal, like):
         return True, None, None
     rows = torch.arange(r0, r0 + n, device=like.device).unsqueeze(1)
     cols = torch.arange(c0, c0 + m, device=like.device).unsqueeze(0)
-    visible = cols <= rows
-    blind = ~visible.any(1)
-    additive = torch.where(visible, torch.zeros((), dtype=like.dtype, device=like.device),
+    additive = torch.where(cols <= rows, torch.zeros((), dtype=like.dtype, device=like.device),
                            torch.full((), -math.inf, dtype=like.dtype, device=like.device))
-    return False, additive, (blind if bool(blind.any()) else None)
+    blind = min(max(c0 - r0, 0), n)       # rows before the block's first key see none of it: from the ranges,
+    return False, additive, (torch.arange(n, device=like.device) < blind) if blind else None    # no host read
 
 
 def _rotations(groups, key_layout: Layout, value_layout: Layout, keys: Dict[int, torch.Tensor],
