@@ -18,7 +18,7 @@ import globaltensor as gt
 
 PROGRAM = Path(__file__).with_name("_rank_program.py")
 RECORD = re.compile(r"^\[rank (\d+)\] GT (.*)$")
-SECTIONS = ["world", "conversions", "random", "from_local", "subset", "local_map", "expert_parallel"]
+SECTIONS = ["world", "conversions", "random", "from_local", "subset", "local_map", "expert_parallel", "ring_attention"]
 
 
 class Job:
@@ -150,10 +150,14 @@ def check_expert_parallel(job):
     job.checked("expert_parallel")
 
 
+def check_ring_attention(job):
+    job.checked("ring_attention")
+
+
 CHECKS = [check_job_succeeded, check_rank_and_world_size, check_conversion_pieces_and_numpy,
           check_comm_stats_match_simulated_world, check_random_factories_match_simulated_and_single_rank,
           check_to_global_from_uneven_local_pieces, check_subset_placement, check_local_map,
-          check_expert_parallel]
+          check_expert_parallel, check_ring_attention]
 
 
 @pytest.mark.parametrize("n", [2, 4], ids=lambda n: f"{n}proc")
