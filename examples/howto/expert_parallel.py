@@ -36,7 +36,7 @@ def run(argv=None) -> sbs.Result:
     gt.nn.distribute_module(model, placement, EXPERTS)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     gt.nn.expert_parallel(model, placement)
-    opt = sbs.adamw(model.parameters())
+    step = sbs.adamw_step(model)
     sbs.log(f"expert parallel on 4 ranks: {args.cfg.n_experts} experts, top-{args.cfg.top_k}, one expert per rank; "
             f"the batch split over the same ranks")
     sbs.describe(model, ["blocks.0.mlp.experts.gate_up_proj", "blocks.0.mlp.router.weight"])
@@ -44,13 +44,6 @@ def run(argv=None) -> sbs.Result:
 
     def to_global(idx, targets):
         return gt.distribute(idx, placement, S(0)), gt.distribute(targets, placement, S(0))
-
-    def step(idx, targets):
-        loss = model.loss(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     idx, targets = to_global(*make_batch(args.cfg, args.batch, args.seq, torch.Generator().manual_seed(0)))
     with gt.comm_profile(model) as prof:

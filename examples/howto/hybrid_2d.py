@@ -27,18 +27,11 @@ def run(argv=None) -> sbs.Result:
     model, reference = sbs.models(args)
     plan = gt.nn.megatron_plan(**TENSOR_PARALLEL, axis=TENSOR_AXIS, ndim=2)
     gt.nn.distribute_module(model, placement, plan)
-    opt = sbs.adamw(model.parameters())
+    step = sbs.adamw_step(model)
     sbs.log("2-D hybrid on a 2x2 placement: axis 0 data parallel, axis 1 tensor parallel")
     sbs.describe(model, ["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc2.weight", "wte.weight"])
     if gt.rank() == 0:
         gt.visualize(model.blocks[0].attn.qkv.weight)      # which rank holds which block
-
-    def step(idx, targets):
-        loss = model.loss(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     def to_global(idx, targets):
         batch_sbp = (S(0), B)                               # split over data, whole over tensor

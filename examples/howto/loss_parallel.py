@@ -30,7 +30,7 @@ def run(argv=None) -> sbs.Result:
     model, reference = sbs.models(args)
     plan = gt.nn.megatron_plan(**TENSOR_PARALLEL, extra={"lm_head.weight": S(0)})   # vocab-split head
     gt.nn.distribute_module(model, placement, plan)
-    opt = sbs.adamw(model.parameters())
+    step = sbs.adamw_step(model)
     sbs.log("loss parallel on 4 ranks: Megatron plan plus a vocabulary-split head")
     sbs.describe(model, ["lm_head.weight"])
 
@@ -44,13 +44,6 @@ def run(argv=None) -> sbs.Result:
     gather = gt.boxing_plan(logits, sbp=B)
     sbs.log(f"logits {tuple(logits.shape)} sbp {logits.sbp}: the cross-entropy sent {stats.bytes_sent:,} bytes "
             f"({', '.join(stats.ops())}); gathering the logits first would send {gather.bytes:,}")
-
-    def step(idx, targets):
-        loss = model.loss(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     return sbs.train(model, reference, step, to_global, args)
 

@@ -86,12 +86,13 @@ def describe(model: torch.nn.Module, names: List[str]) -> None:
         log(f"  {name:28s} shape {str(tuple(p.shape)):10s} sbp {p.sbp} on {p.placement.ranks.tolist()}")
 
 
-def _adamw_step(reference: torch.nn.Module) -> Callable:
-    """The reference's step of every how-to that trains with plain AdamW."""
-    opt = adamw(reference.parameters())
+def adamw_step(model: torch.nn.Module) -> Callable:
+    """``step(idx, targets) -> loss`` with plain AdamW over ``model``: forward, backward, update -- the
+    reference's step, and that of the how-tos whose distributed model needs nothing more."""
+    opt = adamw(model.parameters())
 
     def step(idx, targets):
-        loss = reference.loss(idx, targets)
+        loss = model.loss(idx, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -120,7 +121,7 @@ def train(model: torch.nn.Module, reference: torch.nn.Module, step: Callable, to
     step on the same batches (``reference_step(idx, targets) -> loss``; by default AdamW's), in
     ``args.dtype``; prints a line per step and the differences."""
     if reference_step is None:
-        reference_step = _adamw_step(reference)
+        reference_step = adamw_step(reference)
     data = torch.Generator().manual_seed(1234)                 # the same batches on every rank
     result = Result()
     log(f"\n{'step':>9} {'loss':>9} {'1 device':>9} {'bytes sent':>11} {'collectives':>11} {'time':>8}")

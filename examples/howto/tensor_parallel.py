@@ -28,18 +28,11 @@ def run(argv=None) -> sbs.Result:
     model, reference = sbs.models(args)
     plan = gt.nn.megatron_plan(**TENSOR_PARALLEL)          # {"*.attn.qkv.weight": S(0), ...}
     gt.nn.distribute_module(model, placement, plan)
-    opt = sbs.adamw(model.parameters())                     # state laid out like each parameter
+    step = sbs.adamw_step(model)                            # AdamW's state laid out like each parameter
     sbs.log("tensor parallel on 4 ranks, the plan:")
     for pattern, sbp in plan.items():
         sbs.log(f"  {pattern:22s} {sbp}")
     sbs.describe(model, ["blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc1.bias"])
-
-    def step(idx, targets):
-        loss = model.loss(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     def to_global(idx, targets):                            # every rank sees the whole batch
         return gt.distribute(idx, placement, B), gt.distribute(targets, placement, B)

@@ -67,6 +67,15 @@ class Checker:
         if not cond:
             self.failures.append(what)
 
+    def raises(self, what, fn, error, text):
+        """A check that ``fn()`` raises ``error`` with ``text`` in its message."""
+        try:
+            fn()
+        except error as e:
+            self.true(f"{what}: the error says so ({e})", text in str(e))
+        else:
+            self.true(f"{what}: expected a {error.__name__}", False)
+
     def done(self, **fields):
         emit(self.section, done=True, checks=self.count, failures=self.failures, **fields)
 
@@ -170,12 +179,7 @@ def section_from_local():
     c.equal("P from local: numpy() is the sum", torch.from_numpy(x.numpy()), full * sum(range(1, n + 1)))
     # pieces that do not follow the balanced split: every rank sees every shape, so all raise
     wrong = full[: (n + 1 if me == 0 else 1)]
-    try:
-        wrong.to_global(placement=plc, sbp=S(0))
-    except ValueError as e:
-        c.true(f"unbalanced pieces: the error names the shapes ({e})", "balanced" in str(e))
-    else:
-        c.true("unbalanced pieces: expected a ValueError", False)
+    c.raises("unbalanced pieces", lambda: wrong.to_global(placement=plc, sbp=S(0)), ValueError, "balanced")
     c.done()
 
 
@@ -252,12 +256,8 @@ def section_local_map():
         y = gt.local_map(lambda a: a * 2, (S(0),), S(0))(x)
         c.equal("subset: shape exchanged among its ranks", tuple(y.shape), tuple(full.shape))
     else:
-        try:
-            gt.local_map(lambda: torch.zeros(1), (), S(0), placement=sub)()
-        except ValueError as e:
-            c.true(f"outside the placement: the error says so ({e})", "holds no rank of the placement" in str(e))
-        else:
-            c.true("outside the placement: expected a ValueError", False)
+        c.raises("outside the placement", gt.local_map(lambda: torch.zeros(1), (), S(0), placement=sub), ValueError,
+                 "holds no rank of the placement")
     c.done()
 
 

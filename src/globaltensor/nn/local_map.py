@@ -88,12 +88,14 @@ def pieces_of(x: GlobalTensor, ranks: tuple) -> list:
     return [x._pieces[r] for r in ranks]
 
 
-def assemble(layout: Layout, ranks: tuple, pieces: list) -> GlobalTensor:
-    """The global tensor of ``layout`` made of these ranks' pieces, differentiably where they carry a
-    gradient (boxed to the dual layout and handed back piece by piece)."""
+def assemble(layout: Layout, ranks: tuple, pieces: list, device=None) -> GlobalTensor:
+    """The global tensor of ``layout`` made of these ranks' pieces (at least one), differentiably where
+    they carry a gradient (boxed to the dual layout and handed back piece by piece); ``device``: the
+    wrapper's, where the caller knows it already."""
     if torch.is_grad_enabled() and any(p.requires_grad for p in pieces):
         return _Assemble.apply(layout, ranks, *pieces)
-    return GlobalTensor(layout, dict(zip(ranks, pieces)))
+    device = device or get_world().device(layout.placement.type, ranks[0])
+    return wrap_result(layout, dict(zip(ranks, pieces)), device, pieces[0])
 
 
 def local_map(fn: Callable, in_sbp: Sequence, out_sbp, *, placement: Optional[Placement] = None) -> Callable:
@@ -327,16 +329,10 @@ def _logical_shape(name: str, what: str, pieces: list, placement: Placement, nd:
 def _wrap_results(results: list, known: _Known, ranks: tuple):
     layouts, device = known.layouts, known.device
     if known.single:
-        return results[0] if layouts[0] is None else _wrap_one(layouts[0], results, ranks, device)
+        return results[0] if layouts[0] is None else assemble(layouts[0], ranks, results, device)
     first = results[0]
-    return type(first)(first[j] if layout is None else _wrap_one(layout, [res[j] for res in results], ranks, device)
+    return type(first)(first[j] if layout is None else assemble(layout, ranks, [res[j] for res in results], device)
                        for j, layout in enumerate(layouts))
-
-
-def _wrap_one(layout: Layout, pieces: list, ranks: tuple, device) -> GlobalTensor:
-    if torch.is_grad_enabled() and any(p.requires_grad for p in pieces):
-        return _Assemble.apply(layout, ranks, *pieces)
-    return wrap_result(layout, dict(zip(ranks, pieces)), device, pieces[0])
 
 
 def _coord() -> tuple:

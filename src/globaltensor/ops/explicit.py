@@ -11,6 +11,7 @@ Ops that no rule covers, gathered to broadcast by the fallback, are conversions 
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -39,11 +40,10 @@ class explicit:
         explicit.depth -= 1
 
     def __call__(self, fn):
+        @functools.wraps(fn)
         def run(*args, **kwargs):
             with explicit():
                 return fn(*args, **kwargs)
-        run.__wrapped__ = fn
-        run.__name__ = getattr(fn, "__name__", "explicit")
         return run
 
 
@@ -72,7 +72,5 @@ def refuse_implicit(func, sources: List[Optional[Layout]], targets: List[Layout]
 
 def refuse_fallback(func, sources: List[Layout]) -> None:
     """Raise inside ``gt.explicit()`` where the fallback would gather an op's inputs to broadcast."""
-    if explicit.depth and torch._C._current_graph_task_id() == -1:
-        gathered = [s for s in sources if any(not v.is_broadcast for v in s.nd_sbp)]
-        if gathered:
-            refuse_implicit(func, gathered, [s.with_sbp((broadcast,) * s.placement.ndim) for s in gathered])
+    if explicit.depth:
+        refuse_implicit(func, sources, [s.with_sbp((broadcast,) * s.placement.ndim) for s in sources])

@@ -74,3 +74,10 @@ def run_expert(module: torch.nn.Module, kind: Stacked, pieces: Dict[str, torch.T
     h = module._apply_gate(h) if kind.up == "gate_up_proj" else module.act_fn(h)
     out = _linear(h, pieces["down_proj"][e], down_bias, kind.transposed)
     return module.post_expert_norm(out) if kind.post_norm else out
+
+
+def combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each (token, slot) row ``[tokens * k, hidden]``, in slot order, weighted by its routing weight
+    (``weights [tokens, k]``) and a token's slots summed, as HF's experts modules do; in ``dtype``."""
+    tokens, k = weights.shape
+    return (rows * weights.reshape(-1, 1)).view(tokens, k, rows.shape[-1]).sum(dim=1).to(dtype)

@@ -28,7 +28,7 @@ from ..local_map import assemble, pieces_of
 from ...sbp import broadcast, partial_sum, split
 from ...sbp.shape import balanced_sizes
 from ...tensor import GlobalTensor
-from .experts import Stacked, run_expert
+from .experts import Stacked, combine, run_expert
 from .padded import padded_forward
 from .token_exchange import exchange_counts, exchange_rows, transposed
 
@@ -99,8 +99,7 @@ def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idx
     out = {}
     for r in held:
         slots = back[r][torch.argsort(order[r])]
-        weighted = slots * ws[r].reshape(-1, 1)
-        out[r] = weighted.view(xs[r].shape[0], k, weighted.shape[-1]).sum(dim=1).to(xs[r].dtype)
+        out[r] = combine(slots, ws[r], xs[r].dtype)
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ...comm.world import observed
 from ...sbp.shape import balanced_sizes
-from .experts import Stacked, run_expert
+from .experts import Stacked, combine, run_expert
 from .token_exchange import exchange_rows, transposed
 
 
@@ -51,9 +51,8 @@ def padded_forward(module, kind: Stacked, name: str, group: tuple, held: List[in
     out = {}
     for r in held:
         flat, slot = places[r]
-        n, k = idxs[r].shape
         mine = back[r].view(n_experts, capacity, -1)[flat, slot]
-        out[r] = (mine * ws[r].reshape(-1, 1)).view(n, k, mine.shape[-1]).sum(dim=1).to(xs[r].dtype)
+        out[r] = combine(mine, ws[r], xs[r].dtype)
     return out
 
 

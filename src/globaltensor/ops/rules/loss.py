@@ -82,16 +82,21 @@ def _nll_forward_candidates(x, target, weight=None, reduction=MEAN, ignore_index
     return cands
 
 
+def _splits_rows(c, x_index: int) -> bool:
+    """Whether candidate ``c`` splits rows (a dim other than the classes, 1) of ``x`` and of the target
+    after it: such candidates hold with the rows blocked alike too (sequence-split logits reshaped
+    to ``[tokens, classes]``)."""
+    x, target = c.inputs[x_index], c.inputs[x_index + 1]
+    return x.is_split and x.dim != 1 and target.is_split
+
+
 def _row_split_candidates(x, target, weight=None, reduction=MEAN, ignore_index=-100):
-    """The candidates splitting rows of both ``x`` and ``target``: they hold with the rows blocked
-    alike too (sequence-split logits reshaped to ``[tokens, classes]``)."""
-    return [c for c in _nll_forward_candidates(x, target, weight, reduction, ignore_index)[:len(_row_dims(x)) * (
-        2 if reduction == MEAN else 1)] if c.inputs[1].is_split]
+    return [c for c in _nll_forward_candidates(x, target, weight, reduction, ignore_index) if _splits_rows(c, 0)]
 
 
 def _row_split_backward(grad_output, x, target, weight=None, reduction=MEAN, ignore_index=-100, total_weight=None):
-    return _nll_backward_candidates(grad_output, x, target, weight, reduction, ignore_index,
-                                    total_weight)[:len(_row_dims(x))]
+    return [c for c in _nll_backward_candidates(grad_output, x, target, weight, reduction, ignore_index, total_weight)
+            if _splits_rows(c, 1)]
 
 
 def _cut(piece: torch.Tensor, piece_box, want_box, dims) -> torch.Tensor:

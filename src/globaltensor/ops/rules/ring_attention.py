@@ -54,18 +54,17 @@ def _rows(layout: Layout, rank: int) -> Tuple[int, int]:
 
 
 def _block_mask(q_rows, k_cols, causal, like):
-    """``(skip, additive mask or None, rows that see nothing or None)`` of one (query rows, key block) pair."""
+    """``(additive mask or None, rows that see nothing or None)`` of one (query rows, key block) pair that
+    :func:`_skipped` keeps."""
     (r0, n), (c0, m) = q_rows, k_cols
     if not causal or c0 + m - 1 <= r0:
-        return False, None, None
-    if c0 > r0 + n - 1:
-        return True, None, None
+        return None, None
     rows = torch.arange(r0, r0 + n, device=like.device).unsqueeze(1)
     cols = torch.arange(c0, c0 + m, device=like.device).unsqueeze(0)
     additive = torch.where(cols <= rows, torch.zeros((), dtype=like.dtype, device=like.device),
                            torch.full((), -math.inf, dtype=like.dtype, device=like.device))
     blind = min(max(c0 - r0, 0), n)       # rows before the block's first key see none of it: from the ranges,
-    return False, additive, (torch.arange(n, device=like.device) < blind) if blind else None    # no host read
+    return additive, (torch.arange(n, device=like.device) < blind) if blind else None    # no host read
 
 
 def _rotations(groups, key_layout: Layout, value_layout: Layout, keys: Dict[int, torch.Tensor],
@@ -113,10 +112,10 @@ def ring_forward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale) 
     lse: Dict[int, torch.Tensor] = {}
     for step in steps:
         for r, (owner, k, v) in step.items():
-            q = qs[r]
-            skip, block_mask, blind = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q)
-            if skip or q.shape[2] == 0 or k.shape[2] == 0:
+            if _skipped(q_layout, k_layout, r, owner, causal):
                 continue
+            q = qs[r]
+            block_mask, blind = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q)
             o, l = func(q, k, v, 0.0, False, attn_mask=block_mask, scale=scale)
             if blind is not None:
                 o = o.masked_fill(blind[:, None], 0.0)
@@ -147,10 +146,10 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
     shares: Dict[Tuple[int, int], tuple] = {}               # (rank, owner) -> (grad_k, grad_v) share
     for step in steps:
         for r, (owner, k, v) in step.items():
-            n = n_by_rank[r]
-            skip, block_mask, _ = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"])
-            if skip or n["query"].shape[2] == 0 or k.shape[2] == 0:
+            if _skipped(q_layout, k_layout, r, owner, causal):
                 continue
+            n = n_by_rank[r]
+            block_mask, _ = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"])
             gq, gk, gv = func(n["grad_out"], n["query"], k, v, n["out"], n["logsumexp"], 0.0, False,
                               attn_mask=block_mask, scale=scale)
             dq[r] = dq[r] + gq
@@ -184,6 +183,7 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
 
 
 def _skipped(q_layout: Layout, k_layout: Layout, rank: int, owner: int, causal: bool) -> bool:
-    """Whether ``rank`` computes no share of ``owner``'s block (as ``_block_mask`` and the empty pieces decide)."""
+    """Whether ``rank``'s query rows see nothing of ``owner``'s key block: an empty piece, or, under the
+    causal mask, a block wholly after the rows (skipped: no compute, no gradient share)."""
     (r0, n), (c0, m) = _rows(q_layout, rank), _rows(k_layout, owner)
     return n == 0 or m == 0 or (causal and c0 > r0 + n - 1)
