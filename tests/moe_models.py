@@ -3,7 +3,8 @@
 ``Experts`` stacks its experts' weights on a leading expert dim (``gate_up_proj`` or ``up_proj``,
 ``down_proj``, optional biases, optionally stored transposed) and computes, on one device, what
 ``transformers.integrations.moe``'s experts modules compute: per (token, slot) its expert's MLP,
-weighted by the routing weight, the slots summed. ``MoE`` puts a top-k router in front.
+weighted by the routing weight, the slots summed. ``ListedExperts`` computes the same with one
+module per expert in an ``nn.ModuleList``. ``MoE`` puts a top-k router in front of either.
 """
 from __future__ import annotations
 
@@ -49,14 +50,43 @@ class Experts(nn.Module):
         return out.sum(dim=1).to(hidden_states.dtype)
 
 
-class MoE(nn.Module):
-    """A softmax top-k router and :class:`Experts`; tokens ``[batch, seq, hidden]`` in and out."""
+class ExpertMLP(nn.Module):
+    """One expert: a biased two-layer MLP, its output scaled by a buffer (so that buffers move too)."""
 
-    def __init__(self, num_experts=4, hidden=6, inter=5, top_k=2, **experts_options):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+        self.register_buffer("scale", torch.rand(hidden) + 0.5)
+
+    def forward(self, rows):
+        return self.down(F.gelu(self.up(rows))) * self.scale
+
+
+class ListedExperts(nn.Module):
+    """Experts in a plain ``nn.ModuleList``, with the experts interface of HF transformers."""
+
+    def __init__(self, num_experts=4, hidden=6, inter=5):
+        super().__init__()
+        self.experts = nn.ModuleList(ExpertMLP(hidden, inter) for _ in range(num_experts))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros(top_k_index.shape + hidden_states.shape[-1:], dtype=hidden_states.dtype)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(top_k_index == e)
+            out = out.index_put((token, slot), expert(hidden_states[token]) * top_k_weights[token, slot, None])
+        return out.sum(dim=1).to(hidden_states.dtype)
+
+
+class MoE(nn.Module):
+    """A softmax top-k router and :class:`Experts` (``listed``: :class:`ListedExperts`); tokens
+    ``[batch, seq, hidden]`` in and out."""
+
+    def __init__(self, num_experts=4, hidden=6, inter=5, top_k=2, listed=False, **experts_options):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, inter, **experts_options)
+        self.experts = ListedExperts(num_experts, hidden, inter) if listed else \
+            Experts(num_experts, hidden, inter, **experts_options)
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])

@@ -55,6 +55,14 @@ def _mapped_collective():
     return gt.local_map(f, (S(0),), S(0))(x4())
 
 
+def _mapped_shape_changed():
+    """A compiled step whose mapped function keeps 2 rows, then 1, as the data says."""
+    mapped = gt.local_map(lambda a: a[: int(a[0, 0].item() > 0) + 1], (S(0),), S(0))
+    compiled = gt.compile(lambda x: mapped(x) * 2)
+    for sign in (1, 1, -1):                 # eager, capture, then a replay with other data
+        compiled(gt.distribute(torch.ones(4, 2) * sign, p2(), S(0)))
+
+
 def _mapped_dtypes():
     return gt.local_map(lambda a: a.double() if gt.local_map.rank() == 0 else a, (S(0),), S(0))(x4())
 
@@ -68,6 +76,19 @@ def _moe(distributed=True, plan=None):
     if distributed:
         gt.nn.distribute_module(block, p2(), plan or {"*_proj": S(0)}, strict=False)
     return block
+
+
+class Block(torch.nn.Module):
+    """A MoE block that routes and loops over its experts in its own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(6, 2)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(2))
+
+    def forward(self, hidden_states):
+        choice = self.router(hidden_states).argmax(-1, keepdim=True)
+        return sum(expert(hidden_states) * (choice == e) for e, expert in enumerate(self.experts))
 
 
 def _moe_plain_inputs():
@@ -315,9 +336,11 @@ CASES = {
     "local-map-outside-call": lambda: gt.local_map.rank(),
     "local-map-group-axis": _mapped_group_axis,
     "local-map-collective": _mapped_collective,
+    "local-map-compiled-shape-changed": _mapped_shape_changed,
     # expert parallelism
     "expert-parallel-axis": lambda: gt.nn.expert_parallel(_moe(), p2(), axis=1),
     "expert-parallel-no-experts": lambda: gt.nn.expert_parallel(torch.nn.Linear(2, 2), p2()),
+    "expert-parallel-routing-block": lambda: gt.nn.expert_parallel(Block(), p2()),
     "expert-parallel-not-distributed": lambda: gt.nn.expert_parallel(_moe(distributed=False), p2()),
     "expert-parallel-weight-layout": lambda: gt.nn.expert_parallel(_moe(plan={"*down_proj": S(0)}), p2()),
     "expert-parallel-plain-inputs": _moe_plain_inputs,

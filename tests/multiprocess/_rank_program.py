@@ -250,6 +250,28 @@ def section_local_map():
         # a result whose pieces' sizes only the ranks know: the logical shape is exchanged
         z = gt.local_map(lambda a: a[: 1 + (gt.local_map.rank() == plc.rank_list()[0])], (S(0),), S(0))(x)
         c.equal(f"{pname}: exchanged shape", tuple(z.shape), (n + 1, 4))
+    # compiled: each rank's call one task of the graph, the weight's gradient summed by the graph
+    plc = placements(n)["reversed"]
+    w = gt.distribute(weight, plc, B).requires_grad_()
+    mapped = gt.local_map(lambda a, b: torch.tanh(a @ b), (S(0), B), S(0))
+
+    def step(x):
+        w.grad = None
+        loss = mapped(x, w).square().sum()
+        loss.backward()
+        return loss, w.grad
+    compiled = gt.compile(step)
+    for i in range(3):                                  # eager, capture, a replay
+        data = full * (i + 1)
+        w_ref = weight.clone().requires_grad_()
+        want_loss = torch.tanh(data @ w_ref).square().sum()
+        want_loss.backward()
+        loss, grad = compiled(gt.distribute(data, plc, S(0)))
+        c.true(f"compiled call {i}: loss", torch.allclose(loss.full_tensor(), want_loss, rtol=0, atol=1e-12))
+        c.true(f"compiled call {i}: weight gradient", torch.allclose(grad.full_tensor(), w_ref.grad, rtol=0, atol=1e-12))
+    c.equal("compiled: one task per call", sorted(t.name.split(":", 1)[1] for t in compiled.plan.tasks
+                                                  if "local_map" in t.name),
+            [f"local_map(<lambda>) (backward)@r{me}", f"local_map(<lambda>)@r{me}"])
     sub = gt.placement("cpu", ranks=list(range(n - 1)))
     x = gt.distribute(full, sub, S(0)) if me in sub else None
     if me in sub:
@@ -263,38 +285,40 @@ def section_local_map():
 
 def section_expert_parallel():
     """Expert parallelism's all-to-all with uneven, data-decided sizes between processes: 5 experts
-    over the ranks, 13 tokens, one step against the same experts module computed whole here."""
+    over the ranks, 13 tokens, one step against the same experts module computed whole here; stacked
+    experts (laid out by a plan) and a plain nn.ModuleList of experts (moved by expert_parallel)."""
     import copy
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from moe_models import Experts
+    from moe_models import Experts, ListedExperts
 
     c = Checker("expert_parallel")
     n = gt.world_size()
     plc = placements(n)["reversed"]                     # group order != rank order
-    torch.manual_seed(11)
-    one = Experts(num_experts=5).double()
-    experts = copy.deepcopy(one)
-    x = torch.randn(13, 6, dtype=torch.float64)
-    scores = torch.rand(13, 5, dtype=torch.float64)
-    scores[:4] = 0.0                                    # ties: the first tokens all pick experts 0 and 1
-    weights, index = torch.topk(scores.softmax(-1), 2, dim=-1)
-    gt.nn.distribute_module(experts, plc, {"*_proj": S(0)})
-    gt.nn.expert_parallel(experts, plc)
-    gx = gt.distribute(x, plc, S(0)).requires_grad_()
-    with gt.comm_stats() as stats:
-        y = experts(gx, gt.distribute(index, plc, S(0)), gt.distribute(weights, plc, S(0)))
-        (y * y).sum().backward()
-    xr = x.clone().requires_grad_()
-    want = one(xr, index, weights)
-    (want * want).sum().backward()
-    c.true("forward equals the whole computation", torch.allclose(y.full_tensor(), want, rtol=0, atol=1e-12))
-    c.true("input gradient", torch.allclose(gx.grad.full_tensor(), xr.grad, rtol=0, atol=1e-12))
-    for (name, a), (_, b) in zip(experts.named_parameters(), one.named_parameters()):
-        c.true(f"{name} gradient", torch.allclose(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12))
-    c.equal("collectives", [op for op in stats.ops() if op != "all_reduce"],
-            ["all_gather", "all_to_all", "all_to_all", "all_to_all", "all_to_all"])
+    for kind, make, plan in [("stacked", Experts, {"*_proj": S(0)}), ("listed", ListedExperts, None)]:
+        torch.manual_seed(11)
+        one = make(num_experts=5).double()
+        experts = copy.deepcopy(one)
+        x = torch.randn(13, 6, dtype=torch.float64)
+        scores = torch.rand(13, 5, dtype=torch.float64)
+        scores[:4] = 0.0                                # ties: the first tokens all pick experts 0 and 1
+        weights, index = torch.topk(scores.softmax(-1), 2, dim=-1)
+        gt.nn.distribute_module(experts, plc, plan)
+        gt.nn.expert_parallel(experts, plc)
+        gx = gt.distribute(x, plc, S(0)).requires_grad_()
+        with gt.comm_stats() as stats:
+            y = experts(gx, gt.distribute(index, plc, S(0)), gt.distribute(weights, plc, S(0)))
+            (y * y).sum().backward()
+        xr = x.clone().requires_grad_()
+        want = one(xr, index, weights)
+        (want * want).sum().backward()
+        c.true(f"{kind}: forward equals the whole computation", torch.allclose(y.full_tensor(), want, rtol=0, atol=1e-12))
+        c.true(f"{kind}: input gradient", torch.allclose(gx.grad.full_tensor(), xr.grad, rtol=0, atol=1e-12))
+        for (name, a), (_, b) in zip(experts.named_parameters(), one.named_parameters()):
+            c.true(f"{kind}: {name} gradient", torch.allclose(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12))
+        c.equal(f"{kind}: collectives", [op for op in stats.ops() if op != "all_reduce"],
+                ["all_gather", "all_to_all", "all_to_all", "all_to_all", "all_to_all"])
     c.done()
 
 

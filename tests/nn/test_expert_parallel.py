@@ -4,6 +4,8 @@ order, so equal to the last bits), forward and backward, in every composition wi
 import copy
 import itertools
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -11,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import globaltensor as gt
 from globaltensor.nn.moe.token_exchange import exchange_rows
 from globaltensor.sbp import B, P, S
-from moe_models import MoE, Experts
+from moe_models import MoE, Experts, ListedExperts
 
 pytestmark = pytest.mark.usefixtures("float64")
 EXACT = dict(rtol=0, atol=1e-12)
@@ -176,6 +178,11 @@ def test_errors_name_the_module_and_what_it_needs():
         p = gt.placement("cpu", [0, 1])
         with pytest.raises(ValueError, match="no MoE experts module in Linear"):
             gt.nn.expert_parallel(torch.nn.Linear(2, 2), p)
+        looping = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        looping.experts = torch.nn.ModuleList([torch.nn.Linear(2, 2)])    # forward(input): routes itself
+        with pytest.raises(ValueError, match=r"no MoE experts module in Sequential.*; experts is an nn.ModuleList of "
+                                             r"experts, but its owner's forward does not take \(hidden_states, "):
+            gt.nn.expert_parallel(looping, p)
         block = MoE(num_experts=4)
         with pytest.raises(ValueError, match=r"experts.gate_up_proj is not a global tensor; lay the model out first"):
             gt.nn.expert_parallel(block, p)
@@ -201,6 +208,74 @@ def test_plain_inputs_and_gt_compile_are_refused_with_the_reason():
                                                "cannot; give gt.nn.expert_parallel\\(..., capacity_factor=\\)"):
             for _ in range(2):
                 step(x)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_experts_in_a_module_list_move_to_their_owners_and_equal_one_device(layout):
+    """A plain nn.ModuleList of expert modules (biased MLPs with a buffer): expert_parallel moves each
+    expert whole to the ranks of its owner on the axis (5 experts: 2-1-1-1 or 3-2), the tokens go
+    to it, and values and every gradient equal one device's."""
+    ranks, axis, tokens_sbp = LAYOUTS[layout]
+    torch.manual_seed(6)
+    one = ListedExperts(num_experts=5)
+    experts = copy.deepcopy(one)
+    x, (index, weights) = torch.randn(13, 6), _routing(13, 5, 2)
+    with gt.simulate(4):
+        p = gt.placement("cpu", ranks)
+        gt.nn.distribute_module(experts, p)
+        gt.nn.expert_parallel(experts, p, axis=axis)
+        owners = [0, 0, 1, 2, 3] if p.ndim == 1 else [0, 0, 0, 1, 1]
+        for e, expert in enumerate(experts.experts):
+            for t in list(expert.parameters()) + list(expert.buffers()):
+                member = np.take(np.array(ranks), owners[e], axis=axis)
+                assert sorted(t.placement.rank_list()) == sorted(np.atleast_1d(member).tolist())
+                assert all(v.is_broadcast for v in t.sbp)
+        gx = gt.distribute(x, p, tokens_sbp).requires_grad_()
+        gw = gt.distribute(weights, p, tokens_sbp).requires_grad_()
+        with gt.comm_stats() as stats:
+            y = experts(gx, gt.distribute(index, p, tokens_sbp), gw)
+        groups = p.size // p.hierarchy[axis]                                 # one exchange per group on the axis
+        assert stats.ops() == ["all_gather", "all_to_all", "all_to_all"] * groups    # counts, rows there, back
+        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        want = one(xr, index, wr)
+        probe = torch.randn_like(want)
+        (y * gt.distribute(probe, p, (B,) * p.ndim)).sum().backward()
+        (want * probe).sum().backward()
+        torch.testing.assert_close(y.full_tensor(), want, **EXACT)
+        for got, ref in [(gx.grad, xr.grad), (gw.grad, wr.grad)] + [
+                (a.grad, b.grad) for a, b in zip(experts.parameters(), one.parameters())]:
+            torch.testing.assert_close(got.full_tensor(), ref, **EXACT)
+
+
+def test_module_list_experts_train_with_adamw_and_compile_with_a_capacity():
+    """Data x expert parallel on 2 x 2 with listed experts: three AdamW steps eagerly equal one device,
+    and a compiled step (capacity_factor pads the sizes) goes on to equal it."""
+    torch.manual_seed(7)
+    one = MoE(num_experts=4, listed=True)
+    block = copy.deepcopy(one)
+    with gt.simulate(4):
+        p = gt.placement("cpu", [[0, 1], [2, 3]])
+        gt.nn.distribute_module(block, p)
+        gt.nn.expert_parallel(block, p, axis=1, capacity_factor=4.0)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (block, one))
+
+        def step(x):
+            loss = block(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        compiled = gt.compile(step)
+        for i in range(5):                                                # eager x3, capture, a graph run
+            x = torch.randn(4, 4, 6)
+            loss = (compiled if i >= 2 else step)(gt.distribute(x, p, (S(0), S(0))))
+            want = one(x).square().mean()
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss.full_tensor(), want, **EXACT)
+        for a, b in zip(block.parameters(), one.parameters()):
+            torch.testing.assert_close(a.full_tensor(), b, **EXACT)
 
 
 def _ep_block(capacity_factor, seed=4):

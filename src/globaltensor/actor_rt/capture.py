@@ -30,7 +30,7 @@ from ..ops import rng
 from ..ops.dispatch import decision_for
 from ..ops.schema.op_record import record
 from ..from_local import reading_meta
-from ..nn.local_map import running_rank
+from ..nn.mapped_call import record_tasks_with, running_rank
 from ..tensor import GlobalTensor, observe_creation
 from ..compat.torch_ops import aten
 from .graph import Captured, Node, Output, Ref, StorageRef, Value
@@ -128,7 +128,7 @@ class Tracer(TorchDispatchMode):
                 for r, piece in leaf._pieces.items():
                     self.arg_of.setdefault(id(piece), (i, r))
                     self.keep.append(piece)
-                self._see(leaf)
+                self.see(leaf)
             elif isinstance(leaf, torch.Tensor):
                 self.arg_of.setdefault(id(leaf), (i, None))
 
@@ -172,7 +172,7 @@ class Tracer(TorchDispatchMode):
             if v.kind == "node" and self.nodes[v.node].kind == "op" and self.nodes[v.node].rank is None:
                 self.nodes[v.node].rank = rank
 
-    def _see(self, t: GlobalTensor) -> None:
+    def see(self, t: GlobalTensor) -> None:
         """Note a global tensor's pieces' ranks; remember a pre-existing one's pieces as they are."""
         for r, piece in t._pieces.items():
             self._label_rank(piece, r)
@@ -184,7 +184,7 @@ class Tracer(TorchDispatchMode):
     def _see_all(self, tree) -> None:
         for leaf in tree_flatten(tree)[0]:
             if isinstance(leaf, GlobalTensor):
-                self._see(leaf)
+                self.see(leaf)
 
     def created_tensor(self, t: GlobalTensor) -> None:
         self.created.append(weakref.ref(t))
@@ -268,24 +268,43 @@ class Tracer(TorchDispatchMode):
             return out
         self._phase()
         rank = next((self.values[v].rank for v in inputs if self.values[v].rank is not None), running_rank())
-        node = Node(len(self.nodes), "op", func, _template((args, kwargs), self._ref, storages), [], slots,
-                    self._label(str(func).replace("aten.", "")), rank=rank, signature=self._signature(),
-                    segment=self.segment,
-                    backward=self.backward, inputs=tuple(inputs),
-                    reads=tuple({self.values[v].storage for v in inputs} - {None}),
-                    writes=tuple({storage_key(t) for t in written} - {None}))
-        node.metas = {v: self.values[v].meta for v in inputs}
+        node = self._op_node(func, _template((args, kwargs), self._ref, storages), inputs, outs, slots, rank,
+                             tuple({storage_key(t) for t in written} - {None}))
         node.device = outs[0].device if outs else (written or tensors)[0].device
         if any(o.device != t.device for o in outs for t in tensors) or \
                 (func is aten.copy_.default and args[0].device != args[1].device):
             node.stream = "copy"
+        return out
+
+    def task(self, target, tensors: tuple) -> tuple:
+        """Run ``target`` (a mapped function's task, nn/mapped_call.py) on ``tensors`` unrecorded inside,
+        and record it as one task of its rank; its tensor results."""
+        inputs = [self._vid(t) for t in tensors]
+        self.suspended = True
+        try:
+            outs = target(*tensors)
+        finally:
+            self.suspended = False
+        self._phase()
+        node = self._op_node(target, (tuple(Ref(v) for v in inputs), {}), inputs, list(outs), list(range(len(outs))),
+                             target.rank, ())
+        node.device = outs[0].device if outs else tensors[0].device if tensors else None
+        return outs
+
+    def _op_node(self, func, template, inputs: list, outs: list, slots, rank, writes: tuple) -> Node:
+        """A node of kind "op" running ``func``, its outputs ``outs`` made values of the graph."""
+        node = Node(len(self.nodes), "op", func, template, [], slots,
+                    self._label(str(func).replace("aten.", "")), rank=rank, signature=self._signature(),
+                    segment=self.segment, backward=self.backward, inputs=tuple(inputs),
+                    reads=tuple({self.values[v].storage for v in inputs} - {None}), writes=writes)
+        node.metas = {v: self.values[v].meta for v in inputs}
         self.nodes.append(node)
         for j, o in enumerate(outs):
             vid = self._new_value(o, kind="node", node=node.index, out=j, rank=rank)
             if self.values[vid].storage not in self.state_storages:
                 self.values[vid].nbytes = o.untyped_storage().nbytes()
             node.outs.append(vid)
-        return out
+        return node
 
     def _ref(self, t: torch.Tensor) -> Ref:
         return Ref(self.vid_of[id(t)])
@@ -401,6 +420,7 @@ def capture(fn, args: tuple, kwargs: dict, on_leaf=None) -> Captured:
     previous_observer = observe_collectives(tracer.collective)
     previous_creation = observe_creation(tracer.created_tensor)
     previous_keys = rng.make_keys_with(tracer.keys)
+    previous_tasks = record_tasks_with(tracer)
     try:
         with stats.paused(), _HostReadGuard(tracer), tracer:
             result = fn(*args, **kwargs)
@@ -411,6 +431,7 @@ def capture(fn, args: tuple, kwargs: dict, on_leaf=None) -> Captured:
         observe_collectives(previous_observer)
         observe_creation(previous_creation)
         rng.make_keys_with(previous_keys)
+        record_tasks_with(previous_tasks)
         tracer.restore()
     returned = {id(leaf) for leaf in out_leaves}
     grad_rebinds = []

@@ -88,7 +88,8 @@ class StreamCode:
             ns[f"SPEC{tid}"], ns[f"COLL{tid}"] = tree, getattr(self.rt.world, n.target)
             return f"tuple(_flat(COLL{tid}(*_unflat([{', '.join(one(x) for x in leaves)}], SPEC{tid})))[0])"
         args, kwargs = n.args
-        ns[f"OP{tid}"] = recycled(n.target, t.k) or _binding(n) or n.target._op
+        op = n.target._op if isinstance(n.target, torch._ops.OpOverload) else n.target   # or a mapped call's task
+        ns[f"OP{tid}"] = recycled(n.target, t.k) or _binding(n) or op
         call = ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
         if n.out_slots is None:
             return f"(OP{tid}({call}),)"

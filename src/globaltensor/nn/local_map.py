@@ -5,7 +5,8 @@ knows it holds one shard. Each global argument is first boxed to the layout decl
 function then runs once per rank of the placement this process holds (each simulated rank in turn,
 or the one rank of a process world) on that rank's pieces; its tensor results become global tensors
 of the declared layouts, their logical shapes read off the pieces. Autograd flows through: the
-function's own ops are recorded on the pieces, so its backward runs per rank as well.
+function's own ops are recorded on the pieces, so its backward runs per rank as well. Under
+``gt.compile`` each rank's call is one task of the graph, its backward another (mapped_call.py).
 
 Inside the function, ``gt.local_map.rank()``, ``coord()`` and ``group(axis)`` say whose pieces it
 holds. It may not run a collective (a global tensor's op or boxing): in a simulated world one
@@ -26,17 +27,7 @@ from ..from_local import exchange_shapes, logical_shape, meta_read
 from ..placement import Placement
 from ..sbp import SbpValue, as_nd_sbp, broadcast, partial_sum
 from ..tensor import GlobalTensor, box_like, check_placement, wrap_result
-
-
-class _Running:
-    """The rank whose pieces the mapped function holds now, and its placement."""
-    rank: Optional[int] = None
-    placement: Optional[Placement] = None
-
-
-def running_rank() -> Optional[int]:
-    """The rank a mapped function runs for now, or None outside one (capture labels its ops by it)."""
-    return _Running.rank
+from .mapped_call import call_on_rank, note_read, running_placement, running_rank
 
 
 def dual_layout(layout: Layout) -> Layout:
@@ -83,6 +74,7 @@ class _Assemble(torch.autograd.Function):
 def pieces_of(x: GlobalTensor, ranks: tuple) -> list:
     """The pieces of ``ranks``, differentiably where a gradient is being recorded (the pieces'
     gradients make a global tensor of the dual layout)."""
+    note_read(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return list(_Pieces.apply(x, ranks))
     return [x._pieces[r] for r in ranks]
@@ -153,16 +145,8 @@ class _Mapped:
             signature.append(boxed._layout)
             for k, piece in enumerate(pieces_of(boxed, ranks)):
                 per_rank[k][i] = piece
-        results = []
-        fn = self.fn
         with forbid_collectives(self.reason):
-            try:
-                _Running.placement = placement
-                for k, r in enumerate(ranks):
-                    _Running.rank = r
-                    results.append(fn(*per_rank[k], **kwargs))
-            finally:
-                _Running.rank = _Running.placement = None
+            results = [call_on_rank(self.fn, name, per_rank[k], kwargs, r, placement) for k, r in enumerate(ranks)]
         signature = tuple(signature)
         known = self.known.get(signature)
         if known is None or not _fits(known, results, ranks, name, world):
@@ -336,19 +320,20 @@ def _wrap_results(results: list, known: _Known, ranks: tuple):
 
 
 def _coord() -> tuple:
-    return _Running.placement.coord(_current("coord"))
+    return running_placement().coord(_current("coord"))
 
 
 def _current(what: str) -> int:
-    if _Running.rank is None:
+    rank = running_rank()
+    if rank is None:
         raise RuntimeError(f"gt.local_map.{what}() is only defined inside a function gt.local_map runs")
-    return _Running.rank
+    return rank
 
 
 def _group(axis: int = 0) -> tuple:
     """The ranks along placement ``axis`` that share the running rank's other coordinates, in order."""
     coord = _coord()
-    p = _Running.placement
+    p = running_placement()
     if not 0 <= axis < p.ndim:
         raise ValueError(f"gt.local_map.group(axis): axis must be in 0..{p.ndim - 1}, got {axis}")
     index = list(coord)

@@ -2,6 +2,9 @@
 
     gt.nn.distribute_module(model, placement, {"*.experts.gate_up_proj": S(0), "*.experts.down_proj": S(0)})
     gt.nn.expert_parallel(model, placement, axis=0)
+
+Experts held as an ``nn.ModuleList`` need no plan entry: ``expert_parallel`` places each expert's
+module on the ranks that own it.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import torch
 from ...placement import Placement
 from ...sbp import Split, broadcast
 from ...tensor import GlobalTensor, check_placement
-from .experts import Stacked, find_experts
+from ..distribute import distribute_module
+from .experts import Listed, Stacked, find_experts, owner_placement, unusable_expert_lists
 from .forward import expert_parallel_forward
 
 
@@ -26,7 +30,11 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0,
     ``axis`` (and broadcast on the others), by ``gt.nn.distribute_module``; each experts module's
     forward is then replaced, on the instance, by the all-to-all dispatch (``nn/moe/forward.py``).
     Recognises HuggingFace transformers' experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-    and the other users of ``transformers.integrations.moe``). ``capacity_factor``: each rank sends
+    and the other users of ``transformers.integrations.moe``), and any module with HF's experts
+    interface (``forward(hidden_states, top_k_index, top_k_weights)``) holding its experts in an
+    ``nn.ModuleList`` named ``experts``: expert ``e``'s module is moved, whole and broadcast, to the
+    ranks of the axis member that owns it (``nn/moe/experts.py``) -- build the optimizer after this
+    call. ``capacity_factor``: each rank sends
     each expert ``ceil(capacity_factor x its rows / experts)`` rows, padded, so that the sizes are
     fixed (what ``gt.compile`` needs; ``nn/moe/padded.py``); a step routing more raises. Without it
     the sizes follow the routing exactly. Returns ``model``.
@@ -40,9 +48,17 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0,
                          f"{capacity_factor!r}")
     found = find_experts(model)
     if not found:
+        lists = unusable_expert_lists(model)
+        why = f"; {lists[0]} is an nn.ModuleList of experts, but its owner's forward does not take (hidden_states, " \
+              f"top_k_index, top_k_weights): move the routing out of the module that loops over its experts" \
+            if lists else ""
         raise ValueError(f"expert_parallel: no MoE experts module in {type(model).__name__}; expected HuggingFace "
-                         f"transformers' experts (3-D gate_up_proj or up_proj and down_proj, num_experts on dim 0)")
+                         f"transformers' experts (3-D gate_up_proj or up_proj and down_proj, num_experts on dim 0) or "
+                         f"a module whose forward takes (hidden_states, top_k_index, top_k_weights) and holds its "
+                         f"experts in an nn.ModuleList named experts{why}")
     for name, module, kind in found:
+        if isinstance(kind, Listed):
+            _place_listed(module, kind, placement, axis)
         tensor_axes = _tensor_axes(name, module, kind, placement, axis)
         module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, tensor_axes, name,
                                            capacity_factor)
@@ -62,6 +78,13 @@ def expert_parallel_applied(model: torch.nn.Module, placement: Placement, axis: 
                 del m.forward
             else:
                 m.forward = forward
+
+
+def _place_listed(module, kind: Listed, placement: Placement, axis: int) -> None:
+    """Each expert's parameters and buffers whole on its owners' ranks, broadcast (a gradient partial
+    over a data axis there is reduced when read)."""
+    for e, expert in enumerate(module.experts):
+        distribute_module(expert, owner_placement(placement, axis, kind.num_experts, e), bucket_bytes=0)
 
 
 def _tensor_axes(name: str, module, kind: Stacked, placement: Placement, axis: int) -> Tuple[int, ...]:

@@ -1,20 +1,34 @@
 """The MoE experts modules expert parallelism recognises, and one expert's computation on its rows.
 
-HuggingFace transformers' experts (``transformers.integrations.moe``: Mixtral, Qwen2-MoE, Qwen3-MoE,
-DeepSeek-V3, gpt-oss, ...) keep every expert's weights stacked on a leading expert dim --
-``gate_up_proj`` (or ``up_proj`` without a gate) and ``down_proj``, optional ``*_bias`` -- and take
-``forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``.
-Shared experts and the router live outside that module, as ordinary layers.
+An experts module takes HuggingFace transformers' interface, ``forward(hidden_states [tokens,
+hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``, and returns each token's experts'
+outputs weighted by its routing weights and summed. Shared experts and the router live outside
+it, as ordinary layers. Two kinds hold the experts:
+
+- *stacked* (:class:`Stacked`): HF transformers' own (``transformers.integrations.moe``: Mixtral,
+  Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...) keep every expert's weights stacked on a leading
+  expert dim -- ``gate_up_proj`` (or ``up_proj`` without a gate) and ``down_proj``, optional
+  ``*_bias``;
+- *listed* (:class:`Listed`): a plain ``nn.ModuleList`` named ``experts``, one module per expert
+  (any module taking rows ``[n, hidden]`` to ``[n, hidden]``), as Megatron-Core's SequentialMLP
+  and most hand-written MoE layers hold them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+import inspect
 from typing import Dict, List, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
+from ...placement import Placement
 from ...sbp import split
+from ...sbp.shape import balanced_sizes
+from ...tensor import GlobalTensor
+from ..local_map import dual_layout, pieces_of
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,102 @@ class Stacked:
             return split(1 if self.transposed else 2)
         return None
 
+    def local_weights(self, module, placement: Placement, axis: int, ranks: tuple) -> Dict[int, dict]:
+        """Each held rank's pieces of the stacked weights (its experts' slices), by weight name."""
+        pieces = {n: pieces_of(getattr(module, n), ranks) for n in self.weights}
+        return {r: {n: pieces[n][i] for n in self.weights} for i, r in enumerate(ranks)}
+
+    def run(self, module, mine: dict, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's ``e``-th expert on its ``rows``."""
+        return run_expert(module, self, mine, e, rows)
+
+    def unheld(self, module, placement: Placement, axis: int, ranks: tuple) -> list:
+        """The experts' tensors this process holds no piece of: none, the weights span the placement."""
+        return []
+
+
+@dataclass(frozen=True)
+class Listed:
+    """An experts module holding one module per expert in its ``nn.ModuleList`` ``experts``. Each
+    expert's parameters and buffers live, whole, on the ranks of the expert axis's member that owns
+    it (the placement's slice at that coordinate), broadcast there: :func:`place_listed`."""
+    num_experts: int
+    weights = ()                # nothing for the stacked layout check: the experts are placed, not split
+
+    def local_weights(self, module, placement: Placement, axis: int, ranks: tuple) -> Dict[int, list]:
+        """Each held rank's experts, in order: ``(expert module, its tensors' pieces by name)``."""
+        mine = {r: [] for r in ranks}
+        for e, expert in enumerate(module.experts):
+            owners = tuple(r for r in ranks if r in owner_placement(placement, axis, self.num_experts, e))
+            named = dict(expert.named_parameters())
+            named.update(expert.named_buffers())
+            pieces = {n: pieces_of(t, owners) for n, t in named.items()}
+            for i, r in enumerate(owners):
+                mine[r].append((expert, {n: p[i] for n, p in pieces.items()}))
+        return mine
+
+    def run(self, module, mine: list, e: int, rows: torch.Tensor) -> torch.Tensor:
+        expert, tensors = mine[e]
+        return functional_call(expert, tensors, (rows,))
+
+    def unheld(self, module, placement: Placement, axis: int, ranks: tuple) -> list:
+        """The parameters of the experts none of ``ranks`` owns (a process outside their owners)."""
+        return [t for e, expert in enumerate(module.experts)
+                if not any(r in owner_placement(placement, axis, self.num_experts, e) for r in ranks)
+                for t in expert.parameters() if t.requires_grad]
+
+
+class _Bystanders(torch.autograd.Function):
+    """``out`` as it is, with tensors it does not depend on here as inputs: the experts this process
+    holds no piece of. Their gradient then exists on every process (with no piece where none is
+    held), as after any op on them, so that code reading ``.grad`` (an optimizer, gradient clipping,
+    ``full_tensor``) makes the same calls on every process."""
+
+    @staticmethod
+    def forward(ctx, out, *bystanders):
+        ctx.layouts = [t._layout for t in bystanders]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(GlobalTensor(dual_layout(layout), {}) for layout in ctx.layouts)
+
+
+def with_bystanders(out: GlobalTensor, bystanders: list) -> GlobalTensor:
+    """``out``, its gradient also reaching ``bystanders`` (see :class:`_Bystanders`)."""
+    if not bystanders or not torch.is_grad_enabled():
+        return out
+    return _Bystanders.apply(out, *bystanders)
+
+
+def owner_placement(placement: Placement, axis: int, num_experts: int, e: int) -> Placement:
+    """The ranks holding expert ``e`` of a listed experts module: the placement's slice at the
+    coordinate along ``axis`` whose balanced run of experts contains ``e``."""
+    own = balanced_sizes(num_experts, placement.hierarchy[axis])
+    j = int(np.searchsorted(np.cumsum(own), e, side="right"))
+    ranks = np.take(placement.ranks, j, axis=axis)
+    return Placement(placement.type, ranks.tolist() if ranks.ndim else [int(ranks)])
+
+
+def listed_experts(module: torch.nn.Module):
+    """The module's :class:`Listed` description, or None unless it holds a non-empty ``nn.ModuleList``
+    ``experts`` and its forward takes the experts interface's three arguments."""
+    experts = module._modules.get("experts")
+    if not isinstance(experts, torch.nn.ModuleList) or len(experts) == 0 or not _takes_routing(module):
+        return None
+    return Listed(len(experts))
+
+
+def _takes_routing(module: torch.nn.Module) -> bool:
+    """Whether ``module.forward`` takes (hidden_states, top_k_index, top_k_weights): three positional
+    parameters with no default."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 3 and all(p.default is p.empty for p in positional)
+
 
 def stacked_experts(module: torch.nn.Module):
     """The module's :class:`Stacked` description, or None when it is not a stacked experts module."""
@@ -54,9 +164,17 @@ def stacked_experts(module: torch.nn.Module):
                    bool(getattr(module, "has_post_expert_norm", False)))
 
 
-def find_experts(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, Stacked]]:
-    """Every stacked experts module of ``model``: ``(qualified name, module, description)``."""
-    return [(name, m, kind) for name, m in model.named_modules() if (kind := stacked_experts(m)) is not None]
+def find_experts(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, object]]:
+    """Every experts module of ``model``, stacked or listed: ``(qualified name, module, description)``."""
+    return [(name, m, kind) for name, m in model.named_modules()
+            if (kind := stacked_experts(m) or listed_experts(m)) is not None]
+
+
+def unusable_expert_lists(model: torch.nn.Module) -> List[str]:
+    """The names of ``nn.ModuleList`` s called ``experts`` whose owner's forward does not take the
+    experts interface (a block that routes and loops over its experts itself)."""
+    return [f"{name}.experts" if name else "experts" for name, m in model.named_modules()
+            if isinstance(m._modules.get("experts"), torch.nn.ModuleList) and listed_experts(m) is None]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool) -> torch.Tensor:

@@ -28,12 +28,12 @@ from ..local_map import assemble, pieces_of
 from ...sbp import broadcast, partial_sum, split
 from ...sbp.shape import balanced_sizes
 from ...tensor import GlobalTensor
-from .experts import Stacked, combine, run_expert
+from .experts import combine, with_bystanders
 from .padded import padded_forward
 from .token_exchange import exchange_counts, exchange_rows, transposed
 
 
-def expert_parallel_forward(module, kind: Stacked, placement, axis: int, tensor_axes: tuple, name: str,
+def expert_parallel_forward(module, kind, placement, axis: int, tensor_axes: tuple, name: str,
                             capacity_factor, hidden_states, top_k_index, top_k_weights):
     """The module's forward with its tokens sent to the ranks of their experts (see the module doc);
     with ``capacity_factor``, in the padded sizes of padded.py. Over ``tensor_axes`` every expert is
@@ -55,7 +55,7 @@ def expert_parallel_forward(module, kind: Stacked, placement, axis: int, tensor_
     world = get_world()
     ranks = tuple(r for r in placement.rank_list() if world.holds(r))
     xs, idxs, ws = (dict(zip(ranks, pieces_of(t, ranks))) for t in (x, idx, w))
-    weights = {n: dict(zip(ranks, pieces_of(getattr(module, n), ranks))) for n in kind.weights}
+    weights = kind.local_weights(module, placement, axis, ranks)
     k = idx.shape[1]
     out = {}
     for group in axis_groups(placement, (axis,)):
@@ -69,10 +69,11 @@ def expert_parallel_forward(module, kind: Stacked, placement, axis: int, tensor_
             capacity = max(math.ceil(capacity_factor * n / kind.num_experts) for n in rows.values())
             out.update(padded_forward(module, kind, name, group, held, (xs, idxs, ws), weights, capacity))
     layout = x._layout.with_sbp(tuple(partial_sum if a in tensor_axes else v for a, v in enumerate(nd)))
-    return assemble(layout, ranks, [out[r] for r in ranks])
+    return with_bystanders(assemble(layout, ranks, [out[r] for r in ranks]),
+                           kind.unheld(module, placement, axis, ranks))
 
 
-def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idxs, ws, weights, k: int,
+def _group_forward(module, kind, group: tuple, held: List[int], xs, idxs, ws, weights, k: int,
                    rows: Dict[int, int]) -> Dict:
     n_experts = kind.num_experts
     own = balanced_sizes(n_experts, len(group))                 # experts per member
@@ -92,8 +93,7 @@ def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idx
     results = {}
     for r in held:
         j = group.index(r)
-        mine = {n: weights[n][r] for n in kind.weights}
-        results[r] = _run_local_experts(module, kind, received[r], mine, [
+        results[r] = _run_local_experts(module, kind, received[r], weights[r], [
             per_expert[src][first[j]:first[j] + own[j]] for src in group])
     back = exchange_rows(group, transposed(sizes), results)
     out = {}
@@ -103,8 +103,7 @@ def _group_forward(module, kind: Stacked, group: tuple, held: List[int], xs, idx
     return out
 
 
-def _run_local_experts(module, kind: Stacked, rows: torch.Tensor, weights: Dict[str, torch.Tensor],
-                       counts: List[List[int]]) -> torch.Tensor:
+def _run_local_experts(module, kind, rows: torch.Tensor, mine, counts: List[List[int]]) -> torch.Tensor:
     """``rows`` come grouped by sender, then by expert (``counts[sender][e]`` each): run every local
     expert once on all of its rows, and give the results back in the rows' order."""
     n_local = len(counts[0]) if counts else 0
@@ -112,5 +111,5 @@ def _run_local_experts(module, kind: Stacked, rows: torch.Tensor, weights: Dict[
                              dtype=torch.int64, device=rows.device)
     perm = torch.argsort(expert_of, stable=True)
     by_expert = rows[perm].split([sum(per_sender[e] for per_sender in counts) for e in range(n_local)])
-    outs = [run_expert(module, kind, weights, e, part) for e, part in enumerate(by_expert)]
+    outs = [kind.run(module, mine, e, part) for e, part in enumerate(by_expert)]
     return torch.cat(outs)[torch.argsort(perm)]

@@ -17,12 +17,12 @@ import torch
 
 from ...comm.world import observed
 from ...sbp.shape import balanced_sizes
-from .experts import Stacked, combine, run_expert
+from .experts import combine
 from .token_exchange import exchange_rows, transposed
 
 
-def padded_forward(module, kind: Stacked, name: str, group: tuple, held: List[int], tokens: tuple,
-                   weights: Dict[str, Dict[int, torch.Tensor]], capacity: int) -> Dict[int, torch.Tensor]:
+def padded_forward(module, kind, name: str, group: tuple, held: List[int], tokens: tuple, weights: Dict[int, object],
+                   capacity: int) -> Dict[int, torch.Tensor]:
     xs, idxs, ws = tokens
     n_experts, members = kind.num_experts, len(group)
     own = balanced_sizes(n_experts, members)                                # experts per member
@@ -43,8 +43,7 @@ def padded_forward(module, kind: Stacked, name: str, group: tuple, held: List[in
     for r in held:
         n_local = own[group.index(r)]
         slots = received[r].view(members, n_local, capacity, -1)
-        outs = [run_expert(module, kind, {n: weights[n][r] for n in kind.weights}, e,
-                           slots[:, e].reshape(members * capacity, -1)) for e in range(n_local)]
+        outs = [kind.run(module, weights[r], e, slots[:, e].reshape(members * capacity, -1)) for e in range(n_local)]
         results[r] = torch.stack([o.view(members, capacity, -1) for o in outs], dim=1).reshape(
             members * n_local * capacity, -1) if outs else received[r]
     back = exchange_rows(group, transposed(sizes), results)
