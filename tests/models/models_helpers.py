@@ -51,7 +51,11 @@ class Run:
     losses: List[float] = field(default_factory=list)
 
 
-def train_side_by_side(kind, placement, plan, batch_sbp, attn="sdpa", steps=2, kv_heads=HEADS) -> Run:
+def train_side_by_side(kind, placement, plan, batch_sbp, attn="sdpa", steps=2, kv_heads=HEADS, shape=(BATCH, SEQ),
+                       shifted=False) -> Run:
+    """``shifted``: the labels are made shifted from the whole batch and laid out as the tokens, so
+    the loss needs no token from another rank (what a sequence split wants); else the loss shifts
+    the logits and tokens it is given."""
     model = make_model(kind, attn, kv_heads)
     reference = copy.deepcopy(model)
     gt.nn.distribute_module(model, placement, plan)
@@ -61,13 +65,16 @@ def train_side_by_side(kind, placement, plan, batch_sbp, attn="sdpa", steps=2, k
     data = torch.Generator().manual_seed(1)
     run = Run(model, reference)
     for step in range(steps):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data)
+        ids = torch.randint(0, VOCAB, shape, generator=data)
         gids = gt.distribute(ids, placement, batch_sbp)
+        glabels = gt.distribute(shifted_labels(ids), placement, batch_sbp) if shifted else None
         with no_fallback(), gt.comm_stats() as stats:
-            loss = next_token_loss(model(input_ids=gids).logits, gids)
+            logits = model(input_ids=gids).logits
+            loss = labelled_loss(logits, glabels) if shifted else next_token_loss(logits, gids)
             loss.backward()
             grads = {n: p.grad for n, p in model.named_parameters()}
-        ref_loss = next_token_loss(reference(input_ids=ids).logits, ids)
+        ref_logits = reference(input_ids=ids).logits
+        ref_loss = labelled_loss(ref_logits, shifted_labels(ids)) if shifted else next_token_loss(ref_logits, ids)
         ref_loss.backward()
         assert isinstance(loss, GlobalTensor)
         torch.testing.assert_close(loss.full_tensor(), ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
@@ -91,6 +98,16 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """HF's causal-LM loss in the logits' own dtype (``labels=`` computes it in float32, which would
     round the float64 comparison to 1e-7)."""
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def shifted_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Each position's next token, the last position ignored (-100)."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def labelled_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss against labels shifted beforehand: no shift of the logits."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def megatron_collectives(tp: int, dp: int = 1, itemsize: int = 8) -> list:

@@ -57,6 +57,20 @@ def test_grouped_query_heads_fewer_than_ranks_are_not_cut(p1):
     train_side_by_side("llama", p1, plan, B, "eager", kv_heads=2)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sequence_split_with_fewer_kv_heads_than_ranks_equals_one_device(p1, attn):
+    """Long-context layout: 2 sequences of 32 tokens split over 4 ranks on the sequence, 2 key/value
+    heads (so no head split), parameters broadcast, the labels shifted beforehand. Under sdpa the
+    attention is ring attention: k and v blocks pass between ranks (send_recv) and no activation is
+    gathered -- the collectives are the blocks, the gradients' all-reduce and the loss's scalar.
+    Eager attention is matmul, softmax, matmul to the dispatcher: its batched matmuls gather k and v."""
+    run = train_side_by_side("llama", p1, {}, S(1), attn, kv_heads=2, shape=(2, 32), shifted=True)
+    if attn == "sdpa":
+        assert {r.op for r in run.records} == {"send_recv", "all_reduce"}, [(r.op, r.bytes) for r in run.records]
+        reduced = sorted(r.bytes for r in run.records if r.op == "all_reduce")
+        assert reduced[0] == 16 and len(reduced) == 2                         # the loss's scalar, one bucket
+
+
 def test_greedy_generate_on_the_tensor_parallel_model_gives_the_same_tokens(p1):
     """HF ``generate`` casts masks with ``.to(device=, dtype=)`` and reads ``bool(x)`` of global
     tensors: under rules now (a cast, a collective read), no fallback."""

@@ -145,18 +145,23 @@ def test_ring_attention_bytes_and_the_causal_blocks_skipped(float64):
     assert sent[True][1] == sent[False][1] - 6 * block and sent[True][0] == sent[False][0]
 
 
-@pytest.mark.parametrize("heads, recorded, chosen", [(8, True, "all_to_all"), (2, False, "send_recv")],
-                         ids=["ulysses_with_heads", "ring_without_grad"])
+@pytest.mark.parametrize("heads, recorded, chosen", [(8, True, "all_to_all"), (2, False, "send_recv"),
+                                                    (2, True, "send_recv")],
+                         ids=["ulysses_with_heads", "ring_without_grad", "ring_with_grad"])
 def test_the_cost_model_chooses_between_ring_and_ulysses_by_bytes(heads, recorded, chosen, float64):
     """Heads to spare and a backward to pay for: the all-to-all to a head split (Ulysses) sends the
-    least. Without autograd, ring's one rotation ties with gathering k and v, and the ring, listed first,
-    keeps the key/value blocks where they are."""
+    least. Fewer heads than ranks (and a batch of 2 on 4 ranks): ring attention. Without autograd its
+    one rotation ties with gathering k and v, and the ring, listed first, keeps the key/value blocks
+    where they are; with autograd ring sends a third more (the backward's rotation) but gathering
+    would hold k and v whole until the backward, and those bytes count (attention.py)."""
     with gt.simulate(4):
         p = gt.placement("cpu", [0, 1, 2, 3])
         q, k, v = (gt.distribute(torch.randn(2, heads, 64, 16), p, S(2)).requires_grad_(recorded) for _ in range(3))
         with gt.comm_stats() as stats:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        assert chosen in stats.ops(), stats.ops()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if recorded:
+                out.sum().backward()
+        assert chosen in stats.ops() and "all_gather" not in stats.ops(), stats.ops()
 
 
 def test_ring_attention_compiles_with_gt_compile(float64):

@@ -20,10 +20,16 @@ meta, ``[0]`` on CPU), ``out_meta(meta_out, device_type, *args, **kwargs)`` retu
 once per call even when this process holds no rank of the placement (random ops reserve
 their counters there, so every process agrees), for ops whose pieces are not simply the
 aten op on the pieces (a random mask drawn from the rank's box, a vocabulary-split lookup).
-``kernel_bytes``: for a ``kernel`` that communicates by itself (ring attention passing its key and
-value blocks around), ``kernel_bytes(inputs' layouts under a candidate, recorded) -> int``, the most
-bytes a rank sends (``recorded``: autograd records the op, so its backward's count too, as the
-gradients' way back does for boxing): the cost model adds them to the candidate's boxing.
+``kernel_bytes``: what a candidate costs beyond its boxing, in bytes --
+``kernel_bytes(inputs' layouts as they come, their layouts under the candidate, recorded) -> int``:
+the most bytes a rank sends where the ``kernel`` communicates by itself (ring attention passing its
+key and value blocks around; ``recorded``: autograd records the op, so its backward's count too, as
+the gradients' way back does for boxing), and the bytes of gathered inputs a rank holds until the
+backward where holding them is what the layout exists to avoid (sdpa's whole k and v under a
+sequence split): the cost model adds them to the candidate's boxing. ``admit``: where a
+candidate is right only for some layouts of the call, ``admit(inputs' layouts as they come, their
+layouts under the candidate) -> bool`` leaves out the others (sdpa: no signature that gathers the
+queries or takes a rank's attention work away, as a head split with fewer heads than ranks would).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ class Rule:
     blocked: object = False
     out_meta: Optional[Callable] = None
     kernel_bytes: Optional[Callable] = None
+    admit: Optional[Callable] = None
 
 
 RULES: dict = {}
@@ -67,16 +74,17 @@ def _overloads(op) -> list:
 
 
 def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False,
-                  out_meta=None, kernel_bytes=None):
+                  out_meta=None, kernel_bytes=None, admit=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
     returning one. Usable as a decorator: ``@register_rule(aten.mm)``.
     """
     def install(fn):
-        _check_rule(ops, fn, local, kernel, out_meta)
+        _check_rule(ops, fn, {"local": local, "kernel": kernel, "out_meta": out_meta, "kernel_bytes": kernel_bytes,
+                              "admit": admit})
         rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta,
-                    kernel_bytes)
+                    kernel_bytes, admit)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule
@@ -89,7 +97,7 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     return candidates
 
 
-def _check_rule(ops, candidates, local, kernel, out_meta) -> None:
+def _check_rule(ops, candidates, hooks: dict) -> None:
     """Bad arguments fail here, at registration, not at the op's first call."""
     for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
         if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, MissingOp)):
@@ -103,7 +111,7 @@ def _check_rule(ops, candidates, local, kernel, out_meta) -> None:
                 as_signature(c)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"register_rule: candidate {c!r}: {e}") from None
-    for name, fn in (("local", local), ("kernel", kernel), ("out_meta", out_meta)):
+    for name, fn in hooks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"register_rule: {name}= must be a function, got {fn!r}")
 

@@ -36,7 +36,7 @@ class Problem:
     returned: dict                  # output position -> tensor-input index of a written input it returns
     candidates: list                # the admissible NdSignatures
     placement: Placement
-    kernel_bytes: Optional[Callable] = None   # the rule's: what its kernel sends under a candidate
+    kernel_bytes: Optional[Callable] = None   # the rule's: what a candidate costs beyond its boxing
 
 
 def candidates(r: Route, func, args, kwargs, recording) -> Problem:
@@ -64,6 +64,9 @@ def candidates(r: Route, func, args, kwargs, recording) -> Problem:
                 if all(c.inputs[k] == in_layouts[k].nd_sbp for k in written)
                 and all(c.outputs[j] == in_layouts[k].nd_sbp for j, k in returned.items() if j < len(c.outputs))]
     admitted = [c for c in admitted if _blocks_fit(c, in_layouts, out_meta, placement)]
+    if rule.admit is not None:
+        admitted = [c for c in admitted if rule.admit(in_layouts, [lay.with_sbp(nd) for lay, nd in zip(in_layouts,
+                                                                                                       c.inputs)])]
     if rule.check_shapes:
         admitted = [c for c in admitted if pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, r.positions,
                                                           rule, placement)]

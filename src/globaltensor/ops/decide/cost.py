@@ -97,10 +97,11 @@ def cost(problem: Problem, c, templates: list = None) -> tuple:
 
 
 def _kernel_bytes(problem: Problem, c) -> int:
-    """What the rule's kernel sends by itself under candidate ``c`` (ring attention's blocks), or 0."""
+    """What candidate ``c`` costs beyond its boxing by the rule's own count (ring attention's blocks,
+    sdpa's gathered k and v held for the backward), or 0."""
     if problem.kernel_bytes is None:
         return 0
-    return problem.kernel_bytes([lay.with_sbp(nd) for lay, nd in zip(problem.in_layouts, c.inputs)],
+    return problem.kernel_bytes(problem.in_layouts, [lay.with_sbp(nd) for lay, nd in zip(problem.in_layouts, c.inputs)],
                                 any(problem.recorded))
 
 

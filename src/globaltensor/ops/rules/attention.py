@@ -143,19 +143,43 @@ def _ring(run, func, ins, calls):
     return run(func, named, ins, first["is_causal"], first["scale"])
 
 
-def _forward_bytes(ins, recorded: bool) -> int:
+def _forward_bytes(sources, ins, recorded: bool) -> int:
     """What ring attention's blocks cost on top of the boxing: one rotation of k and v, and where
-    autograd records the op, its backward's too."""
-    if not seq_axes(ins[1]):
+    autograd records the op, its backward's too. Where autograd records it, a signature that
+    gathers sequence-split k and v (the query split) makes every rank hold them whole until the
+    backward -- the memory a sequence split exists to save, layer after layer: those bytes count
+    too, so that ring attention, which never holds them whole, is not passed over for its extra
+    backward rotation."""
+    if seq_axes(ins[1]):
+        return ring_bytes(ins[1], ins[2], backward=False) + (ring_bytes(ins[1], ins[2], backward=True)
+                                                             if recorded else 0)
+    if not recorded or not seq_axes(sources[1]):
         return 0
-    return ring_bytes(ins[1], ins[2], backward=False) + (ring_bytes(ins[1], ins[2], backward=True) if recorded else 0)
+    ranks = ins[1].placement.rank_list()
+    return max(sum(max(t.piece_bytes(r) - s.piece_bytes(r), 0) for s, t in zip(sources[1:3], ins[1:3]))
+               for r in ranks)
 
 
-def _backward_bytes(ins, recorded: bool) -> int:
+def _backward_bytes(sources, ins, recorded: bool) -> int:
     """The backward's: a rotation of k and v, and the key/value gradient shares sent home."""
     return ring_bytes(ins[2], ins[3], backward=True) if seq_axes(ins[2]) else 0
 
 
-register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel, kernel_bytes=_forward_bytes)
+def _keeps_the_work_divided(q_index):
+    """Admit a signature only if attention's query work stays divided as it came: every placement axis
+    that splits the queries still splits them (gathering q would make each rank redo the others'
+    attention), and every rank that holds query rows keeps some (a head split with fewer heads than
+    ranks -- Ulysses' limit -- or a batch split of a smaller batch would hand whole sequences to some
+    ranks and leave the others idle). Ring attention always qualifies."""
+    def admit(sources, targets) -> bool:
+        source, target = sources[q_index], targets[q_index]
+        if any(u.is_split and not v.is_split for u, v in zip(source.nd_sbp, target.nd_sbp)):
+            return False
+        return all(not all(source.piece_shape(r)) or all(target.piece_shape(r)) for r in source.placement.rank_list())
+    return admit
+
+
+register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel, kernel_bytes=_forward_bytes,
+              admit=_keeps_the_work_divided(0))
 register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
-              kernel_bytes=_backward_bytes)
+              kernel_bytes=_backward_bytes, admit=_keeps_the_work_divided(1))

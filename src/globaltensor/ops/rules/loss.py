@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from ...boxing import Layout
+from ...sbp import Split
 from ...tensor import GlobalTensor, box
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
@@ -203,7 +204,19 @@ def _nll_backward_local(rank, ins, outs, *args, **kwargs):
     return call_args(func, n)
 
 
+def _blocked_rows_aligned(sources, targets) -> bool:
+    """Where ``x``'s rows are blocked (sequence-split logits reshaped to ``[tokens, classes]``), the
+    kernel takes the target as it lies, piece for piece: its rows must be split as ``x``'s are (a
+    blocked piece is no box to cut a broadcast target's rows by)."""
+    x, target = targets[0], targets[1]
+    if not x.blocked:
+        return True
+    rows = tuple(Split(0 if v.dim == 0 else v.dim - 1, v.blocks) if v.is_split and v.dim != 1 else B
+                 for v in x.nd_sbp)
+    return target.nd_sbp == rows
+
+
 register_rule([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default], _nll_forward_candidates,
-              kernel=_nll_forward_kernel, blocked=_row_split_candidates)
+              kernel=_nll_forward_kernel, blocked=_row_split_candidates, admit=_blocked_rows_aligned)
 register_rule([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default], _nll_backward_candidates,
               local=_nll_backward_local, blocked=_row_split_backward)

@@ -86,8 +86,7 @@ def _rotations(groups, key_layout: Layout, value_layout: Layout, keys: Dict[int,
                         payload[len(transfers)] = held[src][which]
                     transfers.append(Transfer(src, dst, layout.piece_shape(owner)))
                     sources.append((dst, owner, which))
-        got = world.send_recv(transfers, payload, next(iter(keys.values())).dtype,
-                              next(iter(keys.values())).device.type)
+        got = world.send_recv(transfers, payload, next(iter(keys.values())).dtype, key_layout.placement.type)
         moved: Dict[int, list] = {}
         for index, (dst, owner, which) in enumerate(sources):
             if index in got:
@@ -172,7 +171,7 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
             dk[r], dv[r] = dk[r] + gk, dv[r] + gv
     if transfers:
         sample = next(iter(n_by_rank.values()))["key"]
-        got = world.send_recv(transfers, payload, sample.dtype, sample.device.type)
+        got = world.send_recv(transfers, payload, sample.dtype, k_layout.placement.type)
         for index, part in got.items():
             owner, which = targets[index]
             if which == 0:

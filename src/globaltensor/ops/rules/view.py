@@ -348,6 +348,8 @@ def _cat(tensors, dim=0):
     nd = ts[0].dim() if ts else 1
     dim = norm_dim(dim, nd)
     keep = [sig([S(d) if t.dim() == nd else B for t in tensors], [S(d)]) for d in range(nd) if d != dim]
+    if sum(t.numel() > 0 for t in ts) == 1:     # onto empties (a cache's first update): the one tensor as it is
+        keep.append(sig([S(dim) if t.dim() == nd else B for t in tensors], [S(dim)]))
     if len(tensors) > 1 and len({tuple(t.shape) for t in tensors}) == 1 and tensors[0].shape[dim]:
         keep.append(sig([S(dim)] * len(tensors), [S(dim, blocks=len(tensors))]))   # the blocks of a fused tensor
     return keep + [sig([P] * len(tensors), [P])]
