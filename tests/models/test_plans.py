@@ -2,8 +2,8 @@
 import pytest
 
 import globaltensor as gt
-from globaltensor.sbp import split as S
-from models_helpers import make_model
+from globaltensor.sbp import broadcast as B, split as S
+from models_helpers import BATCH, HIDDEN, LAYERS, SEQ, make_model, train_side_by_side
 
 
 def test_megatron_plan_without_biases_is_strict_clean(p1):
@@ -30,3 +30,32 @@ def test_heads_that_do_not_divide_stay_replicated():
     model = make_model("llama", "sdpa")                     # 4 heads
     plan = gt.nn.llama_plan(model, 3)
     assert not any("self_attn" in k for k in plan) and "*.mlp.gate_proj.weight" in plan
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_sequence_parallel_plans_send_megatron_sps_collectives(p2, kind):
+    """2x2, data x tensor, with Megatron's sequence parallelism: the step equals one device, and per
+    layer and data group the activations move as in Megatron-SP -- an all-gather before each
+    column-parallel pair and a reduce-scatter after each row-parallel one, forward, and the reverse
+    backward: 4 of each per layer, each of (tp-1)/tp of a [batch/dp, seq, hidden] activation -- and
+    no activation is all-reduced. One all-gather more: the broadcast embedding's gradient is taken
+    from the whole activation gradient, cheaper than reducing the table."""
+    model = make_model(kind, "sdpa")
+    plan = getattr(gt.nn, f"{kind}_plan")(model, 2, axis=1, ndim=2, sequence_parallel=True)
+    run = train_side_by_side(kind, p2, plan, (S(0), B), "sdpa", shifted=True)
+    share = BATCH // 2 * SEQ * HIDDEN * 8 // 2                      # (tp-1)/tp of a data group's activation
+    for group in [(0, 1), (2, 3)]:
+        ops = [r.op for r in run.records if tuple(r.group) == group and r.bytes == share]
+        assert ops.count("reduce_scatter") == 4 * LAYERS and ops.count("all_gather") == 4 * LAYERS + 1, ops
+        assert not any(r.op == "all_reduce" and tuple(r.group) == group for r in run.records)
+
+
+def test_sequence_parallel_entries_box_module_inputs_and_outputs(p2):
+    plan = gt.nn.megatron_plan(["*.up"], ["*.down"], axis=1, ndim=2, bias=False, sequence_parallel=True)
+    assert plan["*.up:input"] == (None, B) and plan["*.down:output"] == (None, S(1))
+    with pytest.raises(ValueError, match=r"plan pattern\(s\) \['\*.nowhere:input'\] match no module"):
+        gt.nn.distribute_module(make_model("llama", "sdpa"), p2, {"*.nowhere:input": (None, B)})
+    with pytest.raises(TypeError, match=r"plan\['\*.up:input'\]: expected an SBP, or a tuple with one SBP or None"):
+        gt.nn.distribute_module(make_model("llama", "sdpa"), p2, {"*.up:input": (None, None)})
+    with pytest.raises(TypeError, match="sequence_parallel"):
+        gt.nn.megatron_plan(["a"], sequence_parallel="yes")

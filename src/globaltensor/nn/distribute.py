@@ -8,7 +8,8 @@ Each parameter becomes ``nn.Parameter(gt.distribute(value, placement, sbp))`` in
 existing value is taken as the whole logical tensor, identical on every rank (seed the
 initialisation alike), and each rank keeps its slice. Buffers are distributed the same way.
 Names no plan pattern matches are broadcast on every placement axis. A parameter shared by
-several modules (tied weights) stays shared.
+several modules (tied weights) stays shared. Keys ending ``:input`` / ``:output`` name modules
+whose input or output is boxed to a layout (activation_layouts.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..sbp import as_nd_sbp, broadcast
 from ..sbp.values import SbpValue
 from ..from_local import distribute
 from ..tensor import GlobalTensor
+from .activation_layouts import check_activation_entry, install as install_activation_layouts, is_activation_key
 from .grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucket_gradients
 
 PlanLike = Union[None, Mapping[str, object], Iterable[Tuple[str, object]]]
@@ -45,6 +47,9 @@ def _entries(plan: PlanLike) -> List[Tuple[str, object]]:
         if not isinstance(pattern, str):
             raise TypeError(f"plan: a pattern must be a str (fnmatch-style, e.g. '*.attn.qkv.weight'), "
                             f"got {pattern!r}")
+        if is_activation_key(pattern):
+            check_activation_entry(pattern, value)
+            continue
         ok = isinstance(value, SbpValue) or (isinstance(value, (tuple, list)) and len(value) > 0 and
                                              all(isinstance(v, SbpValue) for v in value))
         if not ok:
@@ -87,7 +92,7 @@ def match_plan(module: nn.Module, placement: Placement, plan: PlanLike = None, *
         raise TypeError(f"distribute_module(placement=): expected a globaltensor placement, got {placement!r}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"distribute_module: expected an nn.Module, got {type(module).__name__}")
-    entries = _entries(plan)
+    entries = [(p, v) for p, v in _entries(plan) if not is_activation_key(p)]
     used: set = set()
     out: Dict[str, tuple] = {}
     by_id: Dict[int, Tuple[str, tuple]] = {}
@@ -135,6 +140,7 @@ def distribute_module(module: nn.Module, placement: Placement, plan: PlanLike = 
     """
     GradBuckets(bucket_bytes)           # validates before anything moves
     layouts = match_plan(module, placement, plan, strict=strict)
+    activations = [(p, v) for p, v in _entries(plan) if is_activation_key(p)]
     done: Dict[int, torch.Tensor] = {}
     for kind in ("parameter", "buffer"):
         for name, mod, attr, t in list(_named_tensors(module, kind)):
@@ -147,6 +153,7 @@ def distribute_module(module: nn.Module, placement: Placement, plan: PlanLike = 
                 mod._parameters[attr] = new
             else:
                 mod._buffers[attr] = new
+    install_activation_layouts(module, placement, activations, strict)
     if bucket_bytes:
         bucket_gradients(module, bucket_bytes)
     return module

@@ -26,6 +26,14 @@ transposed, ``[in, out]`` (``y = x @ W + b``), so its splits swap: column parall
 Model-family plans read the sizes they need from a HuggingFace-style config (or a model with
 ``.config``): :func:`llama_plan` (Llama, Mistral, Qwen2 and their kin: ``q/k/v/o_proj``,
 ``gate/up/down_proj``) and :func:`gpt2_plan`.
+
+``sequence_parallel=True`` adds Megatron's sequence parallelism (activation entries,
+activation_layouts.py): between the tensor-parallel regions the activations -- norms, residual
+adds, dropout -- stay split on the sequence over the tensor axis; each column-parallel layer's
+input is all-gathered (``":input"``: broadcast on the axis; the layers reading one input share
+one gather) and each row-parallel layer's partial output reduce-scattered onto the sequence
+(``":output"``: ``S(1)``), in place of the pair's all-reduce: the same bytes, activations a
+tensor-parallel rank holds cut by the axis's size. Inputs ``[batch, seq, ...]``.
 """
 from __future__ import annotations
 
@@ -86,24 +94,43 @@ def row_parallel(pattern: str, axis: int = 0, ndim: int = 1, *, bias: bool = Tru
     return layer_plan(pattern, _weight_only(ROW_PARALLEL, bias), axis, ndim)
 
 
+def sequence_parallel_entries(column: Iterable[str], row: Iterable[str], axis: int = 0, ndim: int = 1) -> dict:
+    """Megatron's sequence parallelism on ``axis`` for these column- and row-parallel module patterns:
+    each column layer's input gathered there, each row layer's output reduce-scattered onto the
+    sequence (dim 1); the other axes keep what they have. Put the module whose output starts the
+    residual stream (the embeddings' sum) among ``row``: its output, broadcast, is sliced onto
+    the sequence for free, so that the first norm runs split too."""
+    _check_axis(axis, ndim)
+
+    def on(sbp):
+        return tuple(sbp if a == axis else None for a in range(ndim))
+    return {**{f"{p}:input": on(broadcast) for p in column}, **{f"{p}:output": on(split(1)) for p in row}}
+
+
 def megatron_plan(column: Iterable[str] = (), row: Iterable[str] = (), *, axis: int = 0, ndim: int = 1,
-                  extra: Optional[Mapping[str, object]] = None, bias: bool = True, conv1d: bool = False) -> dict:
+                  extra: Optional[Mapping[str, object]] = None, bias: bool = True, conv1d: bool = False,
+                  sequence_parallel: bool = False) -> dict:
     """A tensor-parallel plan: the ``column`` module patterns column parallel, the ``row`` ones row
     parallel, on placement axis ``axis`` of an ``ndim``-axis placement (broadcast on the others, e.g.
     the data axis); ``extra`` entries come first and so take precedence. ``bias=False`` for layers
-    without biases; ``conv1d=True`` for GPT-2-style ``Conv1D`` layers (weight ``[in, out]``)."""
-    if not isinstance(bias, bool) or not isinstance(conv1d, bool):
-        raise TypeError(f"megatron_plan: bias and conv1d must be bools, got bias={bias!r}, conv1d={conv1d!r}")
+    without biases; ``conv1d=True`` for GPT-2-style ``Conv1D`` layers (weight ``[in, out]``);
+    ``sequence_parallel=True`` for Megatron's sequence parallelism (the module docstring)."""
+    if not all(isinstance(b, bool) for b in (bias, conv1d, sequence_parallel)):
+        raise TypeError(f"megatron_plan: bias, conv1d and sequence_parallel must be bools, got bias={bias!r}, "
+                        f"conv1d={conv1d!r}, sequence_parallel={sequence_parallel!r}")
     for name, patterns in (("column", column), ("row", row)):
         if isinstance(patterns, str) or not isinstance(patterns, Iterable):
             raise TypeError(f"megatron_plan({name}=): expected a list of module-name patterns, got {patterns!r}")
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"megatron_plan(extra=): expected a plan (a dict of pattern: sbp) or None, got {extra!r}")
+    column, row = list(column), list(row)
     col_layout, row_layout = (CONV1D_COLUMN_PARALLEL, CONV1D_ROW_PARALLEL) if conv1d else (COLUMN_PARALLEL,
                                                                                           ROW_PARALLEL)
     plan: dict = dict(extra or {})
     entries = ([layer_plan(p, _weight_only(col_layout, bias), axis, ndim) for p in column] +
                [layer_plan(p, _weight_only(row_layout, bias), axis, ndim) for p in row])
+    if sequence_parallel:
+        entries.append(sequence_parallel_entries(column, row, axis, ndim))
     for group in entries:
         for key, sbp in group.items():
             plan.setdefault(key, sbp)
@@ -129,7 +156,7 @@ def _check_ranks(ranks: int) -> None:
                          f"got {ranks!r}")
 
 
-def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> dict:
+def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, sequence_parallel: bool = False) -> dict:
     """Megatron's plan for a Llama-family model (``LlamaForCausalLM``, Mistral, Qwen2, ...) over ``ranks``
     ranks on placement axis ``axis``: ``q/k/v_proj`` and ``gate/up_proj`` column parallel,
     ``o_proj`` and ``down_proj`` row parallel; norms, embedding and head broadcast. Biases are
@@ -139,7 +166,9 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> 
     evenly over ``ranks`` (else attention stays replicated), and grouped-query key/value heads
     only when ``num_key_value_heads`` does -- with fewer kv heads than ranks, ``k_proj`` /
     ``v_proj`` stay broadcast (each rank computes every kv head, the small part of attention),
-    and each rank slices the kv heads its query heads read, with no communication."""
+    and each rank slices the kv heads its query heads read, with no communication.
+    ``sequence_parallel=True``: Megatron's sequence parallelism (the module docstring); attention
+    left replicated gathers its input and slices its output the same way."""
     _check_ranks(ranks)
     config = _config(model_or_config)
     heads = _size(config, "num_attention_heads")
@@ -155,10 +184,15 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> 
     for pattern in ("*.mlp.gate_proj", "*.mlp.up_proj"):
         plan.update(column_parallel(pattern, axis, ndim, bias=mlp_bias))
     plan.update(row_parallel("*.mlp.down_proj", axis, ndim, bias=False))
+    if sequence_parallel:
+        attention = (["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"], ["*.self_attn.o_proj"]) \
+            if heads % ranks == 0 else (["*.self_attn"], ["*.self_attn"])
+        plan.update(sequence_parallel_entries(attention[0] + ["*.mlp.gate_proj", "*.mlp.up_proj"],
+                                              ["*embed_tokens"] + attention[1] + ["*.mlp.down_proj"], axis, ndim))
     return plan
 
 
-def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> dict:
+def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, sequence_parallel: bool = False) -> dict:
     """Megatron's plan for HuggingFace ``GPT2LMHeadModel`` (``Conv1D`` layers, weight ``[in, out]``) over
     ``ranks`` ranks on placement axis ``axis``: the MLP's ``c_fc`` column parallel (weight ``S(1)``,
     bias ``S(0)``) and ``c_proj`` row parallel (weight ``S(0)``, bias ``B``); attention's fused
@@ -169,7 +203,8 @@ def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> d
     (:data:`CONV1D_FUSED_QKV_COLUMN_PARALLEL`: weight ``S(1, blocks=3)``, bias ``S(0, blocks=3)``),
     so each rank holds the columns of its heads of q, of k and of v, as Megatron's interleaved
     fused weight does, and ``split`` hands each of q, k, v out split by heads with no
-    communication. Embeddings, norms and the (tied) head are broadcast."""
+    communication. Embeddings, norms and the (tied) head are broadcast. ``sequence_parallel=True``:
+    Megatron's sequence parallelism (the module docstring)."""
     _check_ranks(ranks)
     config = _config(model_or_config)
     heads = _size(config, "n_head", "num_attention_heads")
@@ -179,4 +214,8 @@ def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1) -> d
         plan.update(layer_plan("*.attn.c_proj", CONV1D_ROW_PARALLEL, axis, ndim))
     plan.update(layer_plan("*.mlp.c_fc", CONV1D_COLUMN_PARALLEL, axis, ndim))
     plan.update(layer_plan("*.mlp.c_proj", CONV1D_ROW_PARALLEL, axis, ndim))
+    if sequence_parallel:
+        attention = (["*.attn.c_attn"], ["*.attn.c_proj"]) if heads % ranks == 0 else (["*.attn"], ["*.attn"])
+        plan.update(sequence_parallel_entries(attention[0] + ["*.mlp.c_fc"],
+                                              ["*transformer.drop"] + attention[1] + ["*.mlp.c_proj"], axis, ndim))
     return plan

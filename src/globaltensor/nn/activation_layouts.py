@@ -1,0 +1,102 @@
+"""Plan entries for activations: a module's input or output boxed to a layout where it enters or leaves.
+
+    {"*.mlp.up_proj:input": (None, B), "*.mlp.down_proj:output": (None, S(1))}
+
+A key ``"<module pattern>:input"`` boxes the first tensor argument of every module the pattern
+matches (positional, else keyword) before its forward; ``"<module pattern>:output"`` boxes its
+result (the first element of a tuple result) after. The value gives an SBP per placement axis,
+``None`` for an axis the tensor keeps as it comes (the data axis of a 2-D placement, say). That is
+how Megatron's sequence parallelism is asked for (``megatron_plan(..., sequence_parallel=True)``):
+activations stay split on the sequence between the tensor-parallel regions, gathered on entering
+a column-parallel layer and reduce-scattered on leaving a row-parallel one; the boxings'
+gradients are the reverse collectives, so the backward follows by itself.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import List, Tuple
+
+from torch import nn
+
+from ..placement import Placement
+from ..sbp.values import SbpValue
+from ..tensor import GlobalTensor
+
+WHERE = ("input", "output")
+
+
+def is_activation_key(pattern: str) -> bool:
+    return pattern.rsplit(":", 1)[-1] in WHERE and ":" in pattern
+
+
+def check_activation_entry(pattern: str, value, placement_ndim=None) -> tuple:
+    """``(module pattern, "input" | "output", per-axis SBPs or None)`` of a plan entry; TypeError or
+    ValueError naming the pattern for a value that is not one SBP or None per axis."""
+    values = (value,) if isinstance(value, SbpValue) else value
+    if not isinstance(values, (tuple, list)) or not values or \
+            not all(v is None or isinstance(v, SbpValue) for v in values) or all(v is None for v in values):
+        raise TypeError(f"plan[{pattern!r}]: expected an SBP, or a tuple with one SBP or None (kept as it comes) "
+                        f"per placement axis, got {value!r}")
+    if any(v is not None and v.is_partial for v in values):
+        raise ValueError(f"plan[{pattern!r}]: an activation entry boxes to split or broadcast, not partial_sum; "
+                         f"got {value!r}")
+    if placement_ndim is not None and len(values) != placement_ndim:
+        raise ValueError(f"plan[{pattern!r}]: {len(values)} SBP entries for a placement of {placement_ndim} axes")
+    module_pattern, where = pattern.rsplit(":", 1)
+    return module_pattern, where, tuple(values)
+
+
+def install(module: nn.Module, placement: Placement, entries: List[Tuple[str, object]], strict: bool) -> None:
+    """Hooks boxing the inputs and outputs the activation ``entries`` name (see the module doc)."""
+    checked = [(pattern, *check_activation_entry(pattern, value, placement.ndim)) for pattern, value in entries]
+    used = set()
+    for name, mod in module.named_modules():
+        for key, pattern, where, values in checked:
+            if fnmatchcase(name, pattern):
+                used.add(key)
+                if where == "input":
+                    mod.register_forward_pre_hook(_box_input(values), with_kwargs=True)
+                else:
+                    mod.register_forward_hook(_box_output(values))
+    unused = [key for key, *_ in checked if key not in used]
+    if strict and unused:
+        raise ValueError(f"distribute_module: plan pattern(s) {unused} match no module of {type(module).__name__} "
+                         f"(pass strict=False to allow); module names look like "
+                         f"{[n for n, _ in module.named_modules()][1:5]}")
+
+
+def _boxed(t, values: tuple):
+    """``t`` boxed to ``values``; the result is kept on ``t`` (while ``t`` is unchanged), so that the
+    layers reading one input -- q, k and v projections -- share one gather, and their gradients
+    meet before one reduce-scatter back."""
+    if not isinstance(t, GlobalTensor):
+        return t
+    nd = tuple(t.sbp[a] if v is None else v for a, v in enumerate(values))
+    if nd == t.sbp:
+        return t
+    kept = t.__dict__.get("_entry_boxed")
+    if kept is not None and kept[0] == nd and kept[1] == t._version:
+        return kept[2]
+    out = t.to_global(sbp=nd)
+    t._entry_boxed = (nd, t._version, out)
+    return out
+
+
+def _box_input(values: tuple):
+    def hook(module, args, kwargs):
+        for i, a in enumerate(args):
+            if isinstance(a, GlobalTensor):
+                return args[:i] + (_boxed(a, values),) + args[i + 1:], kwargs
+        for k, a in kwargs.items():
+            if isinstance(a, GlobalTensor):
+                return args, dict(kwargs, **{k: _boxed(a, values)})
+        return None
+    return hook
+
+
+def _box_output(values: tuple):
+    def hook(module, args, out):
+        if isinstance(out, tuple) and out:
+            return (_boxed(out[0], values),) + out[1:]
+        return _boxed(out, values)
+    return hook
