@@ -20,7 +20,7 @@ for _path in (HOWTO, HOWTO.parent):                # the how-tos; demo.py and gp
         sys.path.insert(0, str(_path))
 
 SCRIPTS = ["data_parallel", "tensor_parallel", "hybrid_2d", "zero_optimizer", "fsdp", "loss_parallel", "pipeline",
-           "mixed_precision", "expert_parallel"]
+           "mixed_precision", "expert_parallel", "context_parallel"]
 PROGRESS = re.compile(r"^\s*(\d+)/(\d+)\s+[\d.]+\s+[\d.]+\s+[\d,]+\s+\d+\s+\d+ms$")
 
 
@@ -53,6 +53,15 @@ def test_loss_parallel_keeps_the_logits_split(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("logits"))
     sent, gather = (int(v.replace(",", "")) for v in re.search(r"sent ([\d,]+) bytes.*would send ([\d,]+)", line).groups())
     assert "sbp (S(1),)" in line and sent < gather, line
+
+
+def test_context_parallel_runs_ring_attention_and_gathers_nothing(capsys):
+    import context_parallel
+    with gt.simulate(4):
+        context_parallel.run(["--tiny", "--float64", "--steps", "1"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("one forward"))
+    ring = int(re.search(r"blocks ([\d,]+) bytes", line)[1].replace(",", ""))
+    assert ring > 0 and line.endswith("besides: all_reduce (aten.nll_loss_forward), all_reduce (gradient bucket)"), line
 
 
 def test_expert_parallel_moves_tokens_not_weights(capsys):

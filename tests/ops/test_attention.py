@@ -1,5 +1,7 @@
 """Scaled dot-product attention (the CPU flash kernels): every candidate, F.sdpa on random
 layouts with gradients, and the head split running with no communication."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,47 @@ def test_ring_attention_equals_one_device_and_moves_only_key_value_blocks(causal
         torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
         for a, b in zip(split, leaves):
             assert a.grad.sbp == (S(2),)
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
+
+
+def _key_padding(length):
+    """Keys past a cut hidden from every query (sequence 1 pads its last 6 keys)."""
+    keep = torch.ones(2, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., length - 6:] = False
+    return keep
+
+
+def _blocked_diagonal(length):
+    """A float mask: each query sees the keys of its own quarter of the sequence and key 0 -- so whole
+    key blocks are hidden from some rows."""
+    quarter = torch.arange(length) * 4 // length
+    seen = (quarter[:, None] == quarter[None, :]) | (torch.arange(length)[None, :] == 0)
+    return torch.zeros(length, length).masked_fill(~seen, -math.inf)
+
+
+@pytest.mark.parametrize("make_mask", [_key_padding, _blocked_diagonal], ids=["key_padding_bool", "block_float"])
+def test_ring_attention_with_an_explicit_mask_equals_one_device(make_mask, float64):
+    """The mask's query dim split like q (or broadcast there), its key columns taken per block; a row a
+    mask hides wholly from a block takes nothing from it. Forward and backward equal one device, and
+    only key/value blocks move."""
+    torch.manual_seed(5)
+    length = 16
+    q, k, v = (torch.randn(2, 2, length, 8) for _ in range(3))
+    mask = make_mask(length)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    probe = torch.randn_like(want)
+    (want * probe).sum().backward()
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        split = [gt.distribute(t, p, S(2)).requires_grad_() for t in (q, k, v)]
+        gmask = gt.distribute(mask, p, S(mask.dim() - 2) if mask.shape[-2] != 1 else B)
+        with gt.explicit(), gt.comm_stats() as stats:
+            got = F.scaled_dot_product_attention(*split, attn_mask=gmask)
+            (got * gt.distribute(probe, p, S(2))).sum().backward()
+        assert got.sbp == (S(2),) and set(stats.ops()) == {"send_recv"}, stats.ops()
+        torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
+        for a, b in zip(split, leaves):
             torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
 
 

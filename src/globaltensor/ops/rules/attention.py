@@ -20,6 +20,8 @@ Every (batch, head) pair attends by itself, and every query row by itself given 
   add their part to the k and v gradients). ``is_causal`` means query ``i`` sees keys ``<= i``
   (top-left aligned); a rank holding rows ``[r0, r0 + n)`` gets that as an explicit additive
   mask of its rows (``local``), since its own ``is_causal`` would start at row 0.
+- sequence split (ring attention, ring_attention.py): q, k, v ``S(2)`` (the mask ``S`` on its query
+  dim) -> ``S(2), S(2)``; backward all ``S(2)``. Its kernel passes key/value blocks between ranks.
 - backward with a partial ``grad_out`` (the rest ``B``): the gradients are linear in it ->
   ``P, P, P``.
 
@@ -62,8 +64,7 @@ def _forward_candidates(query, key, value, dropout_p=0.0, is_causal=False, *, at
     cands = [sig([S(0)] * 3 + _mask(attn_mask, 0), [S(0), S(0)])]
     if query.shape[1] == key.shape[1]:
         cands.append(sig([S(1)] * 3 + _mask(attn_mask, 1), [S(1), S(1)]))
-    if attn_mask is None:
-        cands.append(sig([S(2)] * 3, [S(2), S(2)]))                               # ring attention
+    cands.append(sig([S(2)] * 3 + _mask(attn_mask, 2), [S(2), S(2)]))               # ring attention
     if not (is_causal and attn_mask is not None):
         cands.append(sig([S(2), B, B] + _mask(attn_mask, 2), [S(2), S(2)]))
     return cands
@@ -76,8 +77,7 @@ def _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p=
     cands = [sig([S(0)] * 6 + _mask(attn_mask, 0), [S(0)] * 3)]
     if query.shape[1] == key.shape[1]:
         cands.append(sig([S(1)] * 6 + _mask(attn_mask, 1), [S(1)] * 3))
-    if attn_mask is None:
-        cands.append(sig([S(2)] * 6, [S(2)] * 3))                                   # ring attention
+    cands.append(sig([S(2)] * 6 + _mask(attn_mask, 2), [S(2)] * 3))                   # ring attention
     if not (is_causal and attn_mask is not None):
         cands.append(sig([S(2), S(2), B, B, S(2), S(2)] + _mask(attn_mask, 2), [S(2), P, P]))
     cands.append(sig([P] + [B] * 5 + ([B] if attn_mask is not None else []), [P, P, P]))

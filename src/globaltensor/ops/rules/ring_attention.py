@@ -1,12 +1,14 @@
-"""Ring attention: sdpa with q, k and v all split on the sequence, the output split the same way
-(without an explicit mask: ``is_causal`` or none).
+"""Ring attention: sdpa with q, k and v all split on the sequence, the output split the same way;
+``is_causal``, an explicit mask (its query dim split like q, or broadcast there), or neither.
 
 Each rank keeps its query rows and passes its key/value block around the ranks that split the
 sequence: after ``W - 1`` steps every rank has attended to every block it may see. Each step's
 partial output is merged into the running one by its log-sum-exp (``out = sum_j exp(lse_j - lse)
 out_j``), so the result is exact; the logits never exist whole. Under ``is_causal`` (query ``i``
 sees keys ``<= i``) a rank skips the blocks wholly after its rows, runs the blocks wholly before
-them without a mask, and the block on its diagonal with one.
+them without a mask, and the block on its diagonal with one. An explicit mask holds the rank's
+query rows; each block takes its key columns of it, and a row the mask hides wholly from a block
+takes nothing from it.
 
 The backward rotates the blocks again: each rank adds every block's share to its query gradient
 (the CPU kernel's backward, given the global output and log-sum-exp, gives each block's exact
@@ -53,10 +55,13 @@ def _rows(layout: Layout, rank: int) -> Tuple[int, int]:
     return layout.box(rank)[2]
 
 
-def _block_mask(q_rows, k_cols, causal, like):
+def _block_mask(q_rows, k_cols, causal, like, mask=None):
     """``(additive mask or None, rows that see nothing or None)`` of one (query rows, key block) pair that
-    :func:`_skipped` keeps."""
+    :func:`_skipped` keeps; ``mask``: the explicit mask's piece, holding the rank's query rows."""
     (r0, n), (c0, m) = q_rows, k_cols
+    if mask is not None:
+        block = mask if mask.shape[-1] == 1 else mask.narrow(-1, c0, m)
+        return block, (block == -math.inf).all(-1)
     if not causal or c0 + m - 1 <= r0:
         return None, None
     rows = torch.arange(r0, r0 + n, device=like.device).unsqueeze(1)
@@ -114,10 +119,11 @@ def ring_forward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale) 
             if _skipped(q_layout, k_layout, r, owner, causal):
                 continue
             q = qs[r]
-            block_mask, blind = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q)
+            block_mask, blind = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q,
+                                            n_by_rank[r]["attn_mask"])
             o, l = func(q, k, v, 0.0, False, attn_mask=block_mask, scale=scale)
             if blind is not None:
-                o = o.masked_fill(blind[:, None], 0.0)
+                o = o.masked_fill(blind.unsqueeze(-1), 0.0)
                 l = l.masked_fill(blind, -math.inf)
             if r not in out:
                 out[r], lse[r] = o, l
@@ -148,7 +154,7 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
             if _skipped(q_layout, k_layout, r, owner, causal):
                 continue
             n = n_by_rank[r]
-            block_mask, _ = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"])
+            block_mask, _ = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"], n["attn_mask"])
             gq, gk, gv = func(n["grad_out"], n["query"], k, v, n["out"], n["logsumexp"], 0.0, False,
                               attn_mask=block_mask, scale=scale)
             dq[r] = dq[r] + gq
