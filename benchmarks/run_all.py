@@ -28,6 +28,7 @@ import eager_overhead
 import gpu
 import hybrid_gpt
 import local_map
+import long_context
 import models
 import optimizer
 import scale
@@ -76,6 +77,8 @@ JOBS = {
               lambda q: H.spawn(torch_compile._worker, 2, "tp", q, timeout=1800)),
     "local_map": ("gt.local_map per call beside one eager op and DTensor's local_map, 2 processes and 4 "
                   "simulated ranks", local_map.measure),
+    "long_context": ("per-rank peak memory of a T=4096 causal GPT step split on the sequence over 4 processes "
+                     "(ring attention) against one device", long_context.measure),
     "gpu": ("GPT training step on one GPU (CUDA only)", lambda q: H.spawn(gpu._worker, 0, q)),
 }
 
@@ -235,6 +238,13 @@ def local_map_rows(res) -> list:
             for what, ours, peer, ratio, peer_name in local_map.rows(res["procs"], res["sim"])]
 
 
+def long_context_rows(res) -> list:
+    """The busiest rank's peak memory at most 0.35x one device's."""
+    one, busiest = res["one"], max(res["split"]["peaks"])
+    return [row(f"long context, T={res['seq']}, peak memory per rank (4 procs, S(1))", f"{busiest:,} B",
+                f"one device {one:,} B", busiest / one, long_context.GOAL)]
+
+
 MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step (n_embd 256), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
@@ -262,6 +272,7 @@ MEASURES = [
     Measure("tc_dp", lambda res: torch_compile_rows("dp", res)),
     Measure("tc_tp", lambda res: torch_compile_rows("tp", res)),
     Measure("local_map", local_map_rows),
+    Measure("long_context", long_context_rows),
     Measure("gpu", gpu_rows),
 ]
 

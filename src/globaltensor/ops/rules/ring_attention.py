@@ -56,49 +56,55 @@ def _rows(layout: Layout, rank: int) -> Tuple[int, int]:
 
 
 def _block_mask(q_rows, k_cols, causal, like, mask=None):
-    """``(additive mask or None, rows that see nothing or None)`` of one (query rows, key block) pair that
-    :func:`_skipped` keeps; ``mask``: the explicit mask's piece, holding the rank's query rows."""
+    """``(additive mask or None, rows that see nothing or None, is_causal)`` of one (query rows, key
+    block) pair that :func:`_skipped` keeps; ``mask``: the explicit mask's piece, holding the rank's
+    query rows. A block starting at the rows' first position (a rank's own block) is the kernel's
+    own ``is_causal`` -- no mask of rows x keys is made."""
     (r0, n), (c0, m) = q_rows, k_cols
     if mask is not None:
         block = mask if mask.shape[-1] == 1 else mask.narrow(-1, c0, m)
-        return block, (block == -math.inf).all(-1)
+        return block, (block == -math.inf).all(-1), False
     if not causal or c0 + m - 1 <= r0:
-        return None, None
+        return None, None, False
+    if c0 == r0:
+        return None, None, True
     rows = torch.arange(r0, r0 + n, device=like.device).unsqueeze(1)
     cols = torch.arange(c0, c0 + m, device=like.device).unsqueeze(0)
     additive = torch.where(cols <= rows, torch.zeros((), dtype=like.dtype, device=like.device),
                            torch.full((), -math.inf, dtype=like.dtype, device=like.device))
     blind = min(max(c0 - r0, 0), n)       # rows before the block's first key see none of it: from the ranges,
-    return additive, (torch.arange(n, device=like.device) < blind) if blind else None    # no host read
+    return additive, (torch.arange(n, device=like.device) < blind) if blind else None, False   # no host read
 
 
 def _rotations(groups, key_layout: Layout, value_layout: Layout, keys: Dict[int, torch.Tensor],
                values: Dict[int, torch.Tensor]):
-    """For each step ``s`` (0 .. W - 1): ``{rank: (owner, key block, value block)}`` of the held ranks,
-    the blocks passed one member on per step (``send_recv``, both tensors in one exchange)."""
+    """Yields, for each step ``s`` (0 .. W - 1), ``{rank: (owner, key block, value block)}`` of the held
+    ranks, the blocks passed one member on per step (``send_recv``, both tensors in one exchange).
+    A generator: a step's blocks are received once the previous step's are used, so a rank holds
+    one block of k and v (and the one arriving) at a time, never the whole sequence's."""
     world = get_world()
     held = {r: (r, keys[r], values[r]) for r in keys}
-    steps = [dict(held)]
     width = len(groups[0])
-    for _ in range(width - 1):
+    dtype = next(iter(keys.values())).dtype
+    for step in range(1, width):
+        yield held
         transfers, payload, sources = [], {}, []
         for group in groups:
             for i, src in enumerate(group):
                 dst = group[(i + 1) % width]
-                owner = group[(i - len(steps) + 1) % width]
+                owner = group[(i - step + 1) % width]
                 for which, layout in ((1, key_layout), (2, value_layout)):
                     if src in held:
                         payload[len(transfers)] = held[src][which]
                     transfers.append(Transfer(src, dst, layout.piece_shape(owner)))
                     sources.append((dst, owner, which))
-        got = world.send_recv(transfers, payload, next(iter(keys.values())).dtype, key_layout.placement.type)
+        got = world.send_recv(transfers, payload, dtype, key_layout.placement.type)
         moved: Dict[int, list] = {}
         for index, (dst, owner, which) in enumerate(sources):
             if index in got:
                 moved.setdefault(dst, [owner, None, None])[which] = got[index]
         held = {r: tuple(v) for r, v in moved.items()}
-        steps.append(dict(held))
-    return steps
+    yield held
 
 
 def _groups(layout: Layout) -> list:
@@ -119,9 +125,9 @@ def ring_forward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale) 
             if _skipped(q_layout, k_layout, r, owner, causal):
                 continue
             q = qs[r]
-            block_mask, blind = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q,
-                                            n_by_rank[r]["attn_mask"])
-            o, l = func(q, k, v, 0.0, False, attn_mask=block_mask, scale=scale)
+            block_mask, blind, own = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q,
+                                                 n_by_rank[r]["attn_mask"])
+            o, l = func(q, k, v, 0.0, own, attn_mask=block_mask, scale=scale)
             if blind is not None:
                 o = o.masked_fill(blind.unsqueeze(-1), 0.0)
                 l = l.masked_fill(blind, -math.inf)
@@ -154,8 +160,9 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
             if _skipped(q_layout, k_layout, r, owner, causal):
                 continue
             n = n_by_rank[r]
-            block_mask, _ = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"], n["attn_mask"])
-            gq, gk, gv = func(n["grad_out"], n["query"], k, v, n["out"], n["logsumexp"], 0.0, False,
+            block_mask, _, own = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"],
+                                             n["attn_mask"])
+            gq, gk, gv = func(n["grad_out"], n["query"], k, v, n["out"], n["logsumexp"], 0.0, own,
                               attn_mask=block_mask, scale=scale)
             dq[r] = dq[r] + gq
             shares[r, owner] = (gk, gv)
