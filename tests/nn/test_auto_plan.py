@@ -136,6 +136,27 @@ def test_a_memory_limit_below_replicated_state_splits_parameters_or_state(p1):
         gnn.auto_plan(model, p1, args, step=gpt_step, memory_limit=1000)
 
 
+def test_long_sequences_few_of_them_and_a_memory_limit_give_the_sequence_split_with_ring_attention(p1):
+    """2 sequences of 256 tokens, 2 heads, 4 ranks. Data parallel leaves half the ranks without a
+    sequence and the others holding whole ones; the sequence split holds a quarter of each, its
+    attention a ring (fewer heads than ranks). Unlimited, the fewest bytes win; under a limit below
+    data parallel's memory the sequence split is chosen, and it trains like one device, sending what
+    it modelled -- the ring's blocks among it."""
+    model = _gpt(n_embd=32, n_layer=2, n_head=2, block_size=256)
+    args = _batch(model.cfg, 2, 256)
+    free = gnn.auto_plan(model, p1, args, step=gpt_step)
+    by_role = {o.candidate.roles: o for o in free.options if not o.candidate.zero}
+    sequence, data = by_role[("sequence",)], by_role[("data",)]
+    assert sequence.cost.memory < data.cost.memory / 2
+    plan, _ = _auto(model, p1, args, memory_limit=(sequence.cost.memory + data.cost.memory) // 2)
+    assert plan.chosen.candidate.roles == ("sequence",) and plan.inputs == [(S(1),), (S(1),)]
+    m = copy.deepcopy(model)
+    gnn.distribute_module(m, p1, plan)
+    with gt.comm_stats() as stats:
+        m.loss(*(gt.distribute(a, p1, sbp) for a, sbp in zip(args, plan.inputs))).backward()
+    assert "send_recv" in stats.ops() and "all_gather" not in stats.ops(), stats.ops()
+
+
 def test_the_plan_explains_itself_and_round_trips(p1):
     model = _gpt()
     args = _batch(model.cfg, 8, 16)
