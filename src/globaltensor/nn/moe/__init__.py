@@ -18,7 +18,7 @@ from ...placement import Placement
 from ...sbp import Split, broadcast
 from ...tensor import GlobalTensor, check_placement
 from ..distribute import distribute_module
-from .experts import Listed, Stacked, find_experts, owner_placement, unusable_expert_lists
+from .experts import Listed, find_experts, owner_placement, unusable_expert_lists
 from .forward import expert_parallel_forward
 
 
@@ -87,7 +87,7 @@ def _place_listed(module, kind: Listed, placement: Placement, axis: int) -> None
         distribute_module(expert, owner_placement(placement, axis, kind.num_experts, e), bucket_bytes=0)
 
 
-def _tensor_axes(name: str, module, kind: Stacked, placement: Placement, axis: int) -> Tuple[int, ...]:
+def _tensor_axes(name: str, module, kind, placement: Placement, axis: int) -> Tuple[int, ...]:
     """Check the experts' weights' layouts; the placement axes that split every expert Megatron's way
     (tensor-parallel experts: a partial result to be summed over the axis), the others broadcast."""
     weights = {w: getattr(module, w) for w in kind.weights}

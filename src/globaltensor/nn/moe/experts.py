@@ -15,8 +15,9 @@ it, as ordinary layers. Two kinds hold the experts:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 import inspect
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -73,7 +74,7 @@ class Stacked:
 class Listed:
     """An experts module holding one module per expert in its ``nn.ModuleList`` ``experts``. Each
     expert's parameters and buffers live, whole, on the ranks of the expert axis's member that owns
-    it (the placement's slice at that coordinate), broadcast there: :func:`place_listed`."""
+    it (the placement's slice at that coordinate), broadcast there: ``expert_parallel`` moves them."""
     num_experts: int
     weights = ()                # nothing for the stacked layout check: the experts are placed, not split
 
@@ -123,6 +124,7 @@ def with_bystanders(out: GlobalTensor, bystanders: list) -> GlobalTensor:
     return _Bystanders.apply(out, *bystanders)
 
 
+@functools.lru_cache(maxsize=4096)
 def owner_placement(placement: Placement, axis: int, num_experts: int, e: int) -> Placement:
     """The ranks holding expert ``e`` of a listed experts module: the placement's slice at the
     coordinate along ``axis`` whose balanced run of experts contains ``e``."""
