@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-check-out}"
 PY="${PYTHON:-python3}"
-export PYTHONPATH=src
+export PYTHONPATH="$PWD/src"     # absolute: launched jobs run elsewhere
 mkdir -p "$OUT"
 
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \

@@ -84,6 +84,20 @@ def test_zero_optimizer_training_matches_eager(request, layout, opt):
     train_both(module_maker(placement, plan, opt), _batches(placement, batch_sbp), steps=4)
 
 
+def test_fused_adamw_trains_like_eager_and_keeps_float32_step_counters(p1):
+    """A fused optimizer's kernel reads its step counters as float32 (torch's own layout for fused);
+    the capture's capturable form must keep them so -- float64 counters read as float32 gave NaN
+    parameters on CUDA from the first graph run on (found on an H200)."""
+    make = module_maker(p1, {}, lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1, fused=True))
+    (m_e, _, step_e), (m_c, opt_c, step_c) = make(), make()
+    g, batches = gt.compile(step_c), _batches(p1, (S(0),))
+    for s in range(4):
+        assert_close_rel(g(*batches(s)), step_e(*batches(s)), f"step {s}: loss")
+        assert_parameters_close(m_c, m_e, f"step {s}")
+    steps = [st["step"] for st in opt_c.state.values()]
+    assert steps and all(t.dtype == torch.float32 for t in steps), {t.dtype for t in steps}
+
+
 def test_explicit_parameters_adamw(p1):
     """The README's example: plain weights made global by hand, a loss with a mean over the batch."""
     torch.manual_seed(0)

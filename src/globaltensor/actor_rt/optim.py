@@ -57,10 +57,12 @@ def capturable_optimizers(stepped: List[torch.optim.Optimizer]) -> Iterator[None
         with _disable_current_modes():          # not part of the graph: the new counter is state
             for g in groups:
                 g["capturable"] = True
+                # a fused kernel reads its step counters as float32 (torch keeps them so); the others' in float64
+                dtype = torch.float32 if g.get("fused") else torch.float64
                 for p in g["params"]:
                     step = opt.state[p].get("step") if p in opt.state else None
-                    if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float64):
-                        opt.state[p]["step"] = step.to(device=p.device, dtype=torch.float64)
+                    if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != dtype):
+                        opt.state[p]["step"] = step.to(device=p.device, dtype=dtype)
         flipped.append(groups)
 
     def after(opt, args, kwargs):
