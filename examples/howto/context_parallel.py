@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 import globaltensor as gt
 import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
-from gpt import make_batch
 
 S = gt.sbp.split
 
@@ -40,10 +37,7 @@ def run(argv=None) -> sbs.Result:
     def to_global(idx, targets):
         return gt.distribute(idx, placement, S(1)), gt.distribute(targets, placement, S(1))
 
-    idx, targets = to_global(*make_batch(args.cfg, args.batch, args.seq, torch.Generator().manual_seed(0)))
-    with gt.comm_profile(model) as prof:
-        model.loss(idx, targets).backward()
-    model.zero_grad()
+    prof = sbs.profile_one_step(model, to_global, args)
     ring = sum(max(e.bytes_per_rank.values()) for e in prof.events if e.collective == "send_recv")
     others = sorted({(e.collective, e.op) for e in prof.events if e.collective != "send_recv"})
     sbs.log(f"one forward and backward: ring attention's key/value blocks {ring:,} bytes (the busiest rank); "

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 import globaltensor as gt
 import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
-from gpt import make_batch
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 EXPERTS = {"*.experts.gate_up_proj": S(0), "*.experts.down_proj": S(0)}   # experts split over the ranks
@@ -45,10 +42,7 @@ def run(argv=None) -> sbs.Result:
     def to_global(idx, targets):
         return gt.distribute(idx, placement, S(0)), gt.distribute(targets, placement, S(0))
 
-    idx, targets = to_global(*make_batch(args.cfg, args.batch, args.seq, torch.Generator().manual_seed(0)))
-    with gt.comm_profile(model) as prof:
-        model.loss(idx, targets).backward()
-    model.zero_grad()
+    prof = sbs.profile_one_step(model, to_global, args)
     dispatch = sum(max(e.bytes_per_rank.values()) for e in prof.events if e.op == "expert dispatch")
     sbs.log(f"one forward and backward: the token all-to-alls sent {dispatch:,} bytes (the busiest rank, summed "
             f"over them), the whole step {prof.bytes_sent:,}")

@@ -100,6 +100,16 @@ def adamw_step(model: torch.nn.Module) -> Callable:
     return step
 
 
+def profile_one_step(model: torch.nn.Module, to_global: Callable, args) -> gt.CommProfile:
+    """One forward and backward of a first batch, under ``gt.comm_profile(model)``; the gradients
+    dropped after. What the how-tos print their layout's traffic from."""
+    idx, targets = to_global(*make_batch(args.cfg, args.batch, args.seq, torch.Generator().manual_seed(0)))
+    with gt.comm_profile(model) as prof:
+        model.loss(idx, targets).backward()
+    model.zero_grad()
+    return prof
+
+
 @dataclass
 class Result:
     losses: List[float] = field(default_factory=list)

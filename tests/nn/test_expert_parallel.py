@@ -58,6 +58,26 @@ OPTIONS = {"gated": {}, "bias": {"bias": True}, "transposed": {"transposed": Tru
            "no_gate": {"gate": False}}
 
 
+def _equal_one_device(experts, one, p, tokens_sbp, x, index, weights):
+    """The expert-parallel ``experts`` against ``one`` on one device, forward and backward (a random
+    probe of the output): the output and the gradients of x, of the routing weights and of every
+    parameter, exactly (float64). Returns the forward's comm stats."""
+    gx = gt.distribute(x, p, tokens_sbp).requires_grad_()
+    gw = gt.distribute(weights, p, tokens_sbp).requires_grad_()
+    with gt.comm_stats() as stats:
+        y = experts(gx, gt.distribute(index, p, tokens_sbp), gw)
+    xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    want = one(xr, index, wr)
+    probe = torch.randn_like(want)
+    (y * gt.distribute(probe, p, (B,) * p.ndim)).sum().backward()
+    (want * probe).sum().backward()
+    torch.testing.assert_close(y.full_tensor(), want, **EXACT)
+    for got, ref in [(gx.grad, xr.grad), (gw.grad, wr.grad)] + [
+            (a.grad, b.grad) for a, b in zip(experts.parameters(), one.parameters())]:
+        torch.testing.assert_close(got.full_tensor(), ref, **EXACT)
+    return stats
+
+
 @pytest.mark.parametrize("layout, options", list(itertools.product(LAYOUTS, OPTIONS)))
 def test_experts_equal_one_device(layout, options):
     ranks, axis, tokens_sbp = LAYOUTS[layout]
@@ -70,18 +90,7 @@ def test_experts_equal_one_device(layout, options):
         plan = {k: tuple(v if a == axis else B for a in range(p.ndim)) for k, v in PLAN.items()}
         gt.nn.distribute_module(experts, p, plan, strict=False)
         gt.nn.expert_parallel(experts, p, axis=axis)
-        gx = gt.distribute(x, p, tokens_sbp).requires_grad_()
-        gw = gt.distribute(weights, p, tokens_sbp).requires_grad_()
-        y = experts(gx, gt.distribute(index, p, tokens_sbp), gw)
-        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        want = one(xr, index, wr)
-        probe = torch.randn_like(want)
-        (y * gt.distribute(probe, p, (B,) * p.ndim)).sum().backward()
-        (want * probe).sum().backward()
-        torch.testing.assert_close(y.full_tensor(), want, **EXACT)
-        for got, ref in [(gx.grad, xr.grad), (gw.grad, wr.grad)] + [
-                (a.grad, b.grad) for a, b in zip(experts.parameters(), one.parameters())]:
-            torch.testing.assert_close(got.full_tensor(), ref, **EXACT)
+        _equal_one_device(experts, one, p, tokens_sbp, x, index, weights)
 
 
 @pytest.mark.parametrize("options", ["gated", "no_gate", "transposed"])
@@ -230,21 +239,9 @@ def test_experts_in_a_module_list_move_to_their_owners_and_equal_one_device(layo
                 member = np.take(np.array(ranks), owners[e], axis=axis)
                 assert sorted(t.placement.rank_list()) == sorted(np.atleast_1d(member).tolist())
                 assert all(v.is_broadcast for v in t.sbp)
-        gx = gt.distribute(x, p, tokens_sbp).requires_grad_()
-        gw = gt.distribute(weights, p, tokens_sbp).requires_grad_()
-        with gt.comm_stats() as stats:
-            y = experts(gx, gt.distribute(index, p, tokens_sbp), gw)
+        forward = _equal_one_device(experts, one, p, tokens_sbp, x, index, weights)
         groups = p.size // p.hierarchy[axis]                                 # one exchange per group on the axis
-        assert stats.ops() == ["all_gather", "all_to_all", "all_to_all"] * groups    # counts, rows there, back
-        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        want = one(xr, index, wr)
-        probe = torch.randn_like(want)
-        (y * gt.distribute(probe, p, (B,) * p.ndim)).sum().backward()
-        (want * probe).sum().backward()
-        torch.testing.assert_close(y.full_tensor(), want, **EXACT)
-        for got, ref in [(gx.grad, xr.grad), (gw.grad, wr.grad)] + [
-                (a.grad, b.grad) for a, b in zip(experts.parameters(), one.parameters())]:
-            torch.testing.assert_close(got.full_tensor(), ref, **EXACT)
+        assert forward.ops() == ["all_gather", "all_to_all", "all_to_all"] * groups  # counts, rows there, back
 
 
 def test_module_list_experts_train_with_adamw_and_compile_with_a_capacity():
