@@ -1,14 +1,17 @@
-"""Per-rank peak memory of a long-context step: the sequence split over 4 processes, against one device.
+"""Per-rank peak memory and attention work of a long-context step: the sequence split over 4 processes.
 
     .venv/bin/python benchmarks/long_context.py [--quick]
 
 A causal 2-layer GPT (examples/gpt.py: 2 heads, n_embd 64) on one sequence of T = 4096 tokens
 (``--quick``: 1024), forward and backward. On one device; then in 4 gloo processes with the tokens
-split on the sequence (``S(1)``) and the model replicated, where attention runs as ring attention
-(2 heads on 4 ranks). Each process measures the peak of the bytes it allocated during the step
+split on the sequence and the model replicated, where attention runs as ring attention (2 heads on
+4 ranks): split plainly (``S(1)``) and balanced (``S(1, order="head_tail")``: rank r holds chunks r
+and 7 - r of 8). Each process measures the peak of the bytes it allocated during the step
 (``torch.profiler``'s memory events, their running sum; the parameters exist before and are not
-counted, the gradients are, on both sides), after one warm-up step. Goal (#31): the busiest rank's
-peak at most 0.35x one device's.
+counted, the gradients are, on both sides), after one warm-up step. Goals (#31): the busiest rank's
+peak at most 0.35x one device's; per-rank causal attention work (query-key scores, counted from the
+ring's blocks as its kernel runs them: ``attention_work``) within 5% of each other under the
+balanced split.
 
 The peers: DTensor's ``context_parallel`` rotates k and v for the CUDA sdpa kernels only (flash,
 efficient, cudnn), so it has no CPU row here; a hand-written ring over raw torch.distributed is
@@ -59,14 +62,15 @@ def _one_device(rank: int, world: int, seq: int) -> int:
     return peak_bytes(step)
 
 
-def _split(rank: int, world: int, seq: int) -> dict:
+def _split(rank: int, world: int, seq: int, order: str) -> dict:
     import torch.distributed as dist
     import globaltensor as gt
     from globaltensor.sbp import split as S
     model, idx, targets = _model(seq)
     placement = gt.placement("cpu", list(range(world)))
     gt.nn.distribute_module(model, placement)
-    gidx, gtargets = gt.distribute(idx, placement, S(1)), gt.distribute(targets, placement, S(1))
+    sbp = S(1, order=order)
+    gidx, gtargets = gt.distribute(idx, placement, sbp), gt.distribute(targets, placement, sbp)
 
     def step():
         model.loss(gidx, gtargets).backward()
@@ -79,22 +83,48 @@ def _split(rank: int, world: int, seq: int) -> dict:
     return dict(peaks=peaks, ops=sorted(set(stats.ops())))
 
 
+def attention_work(seq: int, order: str, world: int = 4) -> list:
+    """Per rank, the causal ring's query-key scores per (batch, head) for q, k, v ``[1, 2, seq, 32]``."""
+    import torch
+    import globaltensor as gt
+    from globaltensor.boxing import Layout
+    from globaltensor.ops.rules.ring_attention import attention_work as work
+    from globaltensor.sbp import split as S
+    with gt.simulate(world):
+        layout = Layout((1, 2, seq, 32), torch.float32, gt.placement("cpu", list(range(world))),
+                        (S(2, order=order),))
+        counted = work(layout, layout, causal=True)
+    return [counted[r] for r in range(world)]
+
+
+ORDERS = {"plain": "S(1)", "head_tail": "S(1, order='head_tail')"}
+
+
 def measure(quick: bool = False) -> dict:
     seq = 1024 if quick else 4096
-    return dict(seq=seq, one=H.spawn(_one_device, 0, seq), split=H.spawn(_split, 4, seq))
+    return dict(seq=seq, one=H.spawn(_one_device, 0, seq),
+                split={order: H.spawn(_split, 4, seq, order) for order in ORDERS},
+                work={order: attention_work(seq, order) for order in ORDERS})
 
 
 def report(res: dict) -> None:
-    one, peaks = res["one"], res["split"]["peaks"]
-    ratio = max(peaks) / one
+    one = res["one"]
     print(f"causal 2-layer GPT, 2 heads, n_embd 64, one sequence of {res['seq']} tokens; peak bytes allocated "
-          f"during a forward and backward")
-    print(H.table(["", "peak bytes", "x one device"],
-            [["one device", f"{one:,}", "1.00"]] +
-            [[f"rank {r} of 4 (S(1))", f"{p:,}", f"{p / one:.2f}"] for r, p in enumerate(peaks)]))
-    print(f"collectives of the split step: {', '.join(res['split']['ops'])}")
-    print(f"goal: the busiest rank at most {GOAL}x one device's -- {ratio:.3f}x: "
-          f"{'met' if ratio <= GOAL else 'NOT met'}")
+          f"during a forward and backward, and the causal attention's query-key scores per (batch, head)")
+    rows = [["one device", f"{one:,}", "1.00", "", ""]]
+    for order, name in ORDERS.items():
+        peaks, work = res["split"][order]["peaks"], res["work"][order]
+        mean = sum(work) / len(work)
+        rows += [[f"rank {r} of 4 ({name})", f"{p:,}", f"{p / one:.2f}", f"{w:,}", f"{w / mean:.2f}"]
+                 for r, (p, w) in enumerate(zip(peaks, work))]
+    print(H.table(["", "peak bytes", "x one device", "attention scores", "x mean"], rows))
+    for order, name in ORDERS.items():
+        peaks, work = res["split"][order]["peaks"], res["work"][order]
+        ratio, spread = max(peaks) / one, max(work) / min(work) - 1
+        print(f"{name}: collectives {', '.join(res['split'][order]['ops'])}; goal: the busiest rank at most "
+              f"{GOAL}x one device's -- {ratio:.3f}x: {'met' if ratio <= GOAL else 'NOT met'}; attention work "
+              f"spread {spread:.1%} (goal for the balanced split: within 5%"
+              f"{': met' if spread <= 0.05 else ': NOT met' if order == 'head_tail' else ''})")
 
 
 if __name__ == "__main__":

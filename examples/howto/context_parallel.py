@@ -2,8 +2,11 @@
 
     python examples/howto/context_parallel.py [--tiny] [--steps N] [--float64]
 
-Few, long sequences: 2 of them, each split in 4 along the tokens, one quarter per rank; the model
-is replicated (its gradients summed over the ranks, as data parallelism sums them over the batch).
+Few, long sequences: 2 of them, each cut in 8 chunks along the tokens, rank r holding chunks r and
+7 - r (the balanced causal split, ``S(1, order="head_tail")``: under the causal mask the late tokens
+see more keys, and pairing an early chunk with a late one gives every rank the same attention
+work; plain ``S(1)`` would give rank 3 several times rank 0's). The model is replicated (its
+gradients summed over the ranks, as data parallelism sums them over the batch).
 Everything row-wise -- embeddings, norms, the MLP, the loss -- runs on each rank's tokens. Attention
 is where the ranks meet, and with 2 heads on 4 ranks there is no head split to turn to (Ulysses);
 the dispatcher runs it as ring attention: each rank keeps its queries and passes its key/value
@@ -19,6 +22,7 @@ import globaltensor as gt
 import side_by_side as sbs  # puts examples/ on sys.path: gpt, demo
 
 S = gt.sbp.split
+SEQ = S(1, order="head_tail")     # the balanced causal split: rank r holds chunks r and 7 - r of 8
 
 
 def run(argv=None) -> sbs.Result:
@@ -35,7 +39,7 @@ def run(argv=None) -> sbs.Result:
             f"{args.cfg.n_head} heads")
 
     def to_global(idx, targets):
-        return gt.distribute(idx, placement, S(1)), gt.distribute(targets, placement, S(1))
+        return gt.distribute(idx, placement, SEQ), gt.distribute(targets, placement, SEQ)
 
     prof = sbs.profile_one_step(model, to_global, args)
     ring = sum(max(e.bytes_per_rank.values()) for e in prof.events if e.collective == "send_recv")

@@ -17,7 +17,7 @@ def _cuts(layout: Layout, dim: int) -> list:
     n = layout.shape[dim]
     points = {0, n}
     for r in layout.placement.rank_list():
-        for _, box in layout.block_boxes(r):
+        for box, _ in layout.cells(r):
             s, length = box[dim]
             if length:
                 points.update((s, s + length))
@@ -28,7 +28,7 @@ def _holders(layout: Layout, cell: tuple) -> list:
     out = []
     for r in layout.placement.rank_list():
         if any(all(s <= c0 and c0 + cl <= s + length and length > 0 for (c0, cl), (s, length) in zip(cell, box))
-               for _, box in layout.block_boxes(r)):
+               for box, _ in layout.cells(r)):
             out.append(r)
     return out
 

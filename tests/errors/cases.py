@@ -298,6 +298,7 @@ CASES = {
     # SBP
     "split-dim-not-int": lambda: S("0"),
     "split-blocks-not-int": lambda: S(1, blocks=0),
+    "split-order-unknown": lambda: S(1, order="zigzag"),
     "split-blocks-layout": lambda: gt.randn(8, 5, placement=p4(), sbp=S(1, blocks=3)),
     "dtensor-blocked-split": lambda: gt.randn(8, 6, placement=p4(), sbp=S(1, blocks=3)).to_dtensor(),
     "sbp-immutable": _assign_split_dim,

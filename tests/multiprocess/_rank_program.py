@@ -10,6 +10,7 @@ tensors come from ``torch.manual_seed`` (the same on every rank and in the test 
 the balanced split is re-derived below, and partial-sum pieces are summed with a raw
 ``torch.distributed.all_reduce``.
 """
+import itertools
 import json
 import time
 import traceback
@@ -323,24 +324,24 @@ def section_expert_parallel():
 
 
 def section_ring_attention():
-    """Ring attention between processes: q, k, v split on an uneven sequence, key/value blocks passed
-    on by point-to-point transfers (reversed group order too), forward and backward against the whole
-    computation here, causal and not."""
+    """Ring attention between processes: q, k, v split on an uneven sequence (plain and head-tail),
+    key/value blocks passed on by point-to-point transfers (reversed group order too), forward and
+    backward against the whole computation here, causal and not."""
     import torch.nn.functional as F
     c = Checker("ring_attention")
     n = gt.world_size()
     torch.manual_seed(13)
     tensors = [torch.randn(2, 2, 4 * n + 1, 8, dtype=torch.float64) for _ in range(3)]
-    for pname, plc in placements(n).items():
+    for (pname, plc), order in itertools.product(placements(n).items(), ("plain", "head_tail")):
         for causal in (False, True):
-            split = [gt.distribute(t, plc, S(2)).requires_grad_() for t in tensors]
+            split = [gt.distribute(t, plc, S(2, order=order)).requires_grad_() for t in tensors]
             with gt.explicit(), gt.comm_stats() as stats:
                 out = F.scaled_dot_product_attention(*split, is_causal=causal)
                 out.sum().backward()
             leaves = [t.clone().requires_grad_() for t in tensors]
             want = F.scaled_dot_product_attention(*leaves, is_causal=causal)
             want.sum().backward()
-            what = f"{pname} causal={causal}"
+            what = f"{pname} {order} causal={causal}"
             c.equal(f"{what}: only point-to-point transfers", sorted(set(stats.ops())), ["send_recv"])
             c.true(f"{what}: output", torch.allclose(out.full_tensor(), want, rtol=0, atol=1e-12))
             for name, a, b in zip("qkv", split, leaves):

@@ -140,16 +140,24 @@ def test_long_sequences_few_of_them_and_a_memory_limit_give_the_sequence_split_w
     """2 sequences of 256 tokens, 2 heads, 4 ranks. Data parallel leaves half the ranks without a
     sequence and the others holding whole ones; the sequence split holds a quarter of each, its
     attention a ring (fewer heads than ranks). Unlimited, the fewest bytes win; under a limit below
-    data parallel's memory the sequence split is chosen, and it trains like one device, sending what
-    it modelled -- the ring's blocks among it."""
+    data parallel's memory the sequence split is chosen -- balanced (head-tail), which sends what the
+    plain one sends per collective (its busiest rank 16 bytes more in all: where the loss's scalar
+    all-reduce lands), holds less at its busiest rank, and gives every rank the same causal attention
+    work -- and it trains like one device, sending what it modelled: the ring's blocks among it."""
     model = _gpt(n_embd=32, n_layer=2, n_head=2, block_size=256)
     args = _batch(model.cfg, 2, 256)
     free = gnn.auto_plan(model, p1, args, step=gpt_step)
-    by_role = {o.candidate.roles: o for o in free.options if not o.candidate.zero}
-    sequence, data = by_role[("sequence",)], by_role[("data",)]
-    assert sequence.cost.memory < data.cost.memory / 2
-    plan, _ = _auto(model, p1, args, memory_limit=(sequence.cost.memory + data.cost.memory) // 2)
-    assert plan.chosen.candidate.roles == ("sequence",) and plan.inputs == [(S(1),), (S(1),)]
+    by_role = {(o.candidate.roles, o.candidate.balanced): o for o in free.options if not o.candidate.zero}
+    balanced, plain, data = by_role[("sequence",), True], by_role[("sequence",), False], by_role[("data",), False]
+    assert balanced.cost.memory < data.cost.memory / 2
+    assert plain.cost.bytes <= balanced.cost.bytes <= plain.cost.bytes + 16
+    assert balanced.cost.memory <= plain.cost.memory
+    plan, _ = _auto(model, p1, args, memory_limit=(balanced.cost.memory + data.cost.memory) // 2)
+    ht = S(1, order="head_tail")
+    assert plan.chosen.candidate == balanced.candidate and plan.inputs == [(ht,), (ht,)]
+    assert "sequence split (balanced)" in plan.explain()
+    again = gnn.AutoPlan.from_dict(plan.to_dict())
+    assert again.inputs == plan.inputs and again.chosen.candidate.balanced
     m = copy.deepcopy(model)
     gnn.distribute_module(m, p1, plan)
     with gt.comm_stats() as stats:
@@ -225,3 +233,18 @@ def test_bad_arguments_raise_naming_them(p1, bad, kw, match):
     model = torch.nn.Linear(4, 4)
     with pytest.raises((TypeError, ValueError), match=match):
         gnn.auto_plan("net" if bad == "model" else model, p1, "x" if bad == "args" else [(8, 4)], **kw)
+
+
+def test_the_balanced_sequence_split_wins_within_its_slack_and_only_there():
+    """The plain sequence split is left out where its balanced twin models at most 1% more time; a
+    plain split that is cheaper by more stays (a model whose ops need plain order, say)."""
+    from globaltensor.nn.auto.candidates import Candidate
+    from globaltensor.nn.auto.cost import Cost
+    from globaltensor.nn.auto.plan import BALANCED_SLACK, Option, _balanced_first
+
+    def option(balanced, seconds):
+        return Option(Candidate(("sequence",), balanced=balanced), {}, {}, [], Cost(0, 0, seconds, 0))
+    close = [option(True, 1.0 + BALANCED_SLACK / 2), option(False, 1.0)]
+    assert [o.candidate.balanced for o in _balanced_first(close)] == [True]
+    far = [option(True, 1.0 + 2 * BALANCED_SLACK), option(False, 1.0)]
+    assert [o.candidate.balanced for o in _balanced_first(far)] == [True, False]

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
 from globaltensor.ops import decide as stages
-from globaltensor.ops.decide import blocked_variants
+from globaltensor.ops.decide import blocked_variants, head_tail_variants
 from globaltensor.ops.executor import runner
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import all_broadcast, as_signature, blocks_problem, broadcast, nd_candidates, partial_sum, split
@@ -96,15 +96,18 @@ def candidate_signatures(op, *args, **kwargs) -> list:
 
 
 def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), max_2d=12, seed=0, blocks=1,
-                     **kwargs):
+                     head_tail=False, **kwargs):
     """Each candidate of ``op``'s rule, forced on its own with the inputs in its layouts, gives the
     single-device result and outputs in its layouts; returns how many ran. ``blocks=f`` checks
     instead the candidates with every split blocked ``f`` ways (rules that declare ``blocked``),
-    skipping those whose blocks do not fit the shapes."""
+    skipping those whose blocks do not fit the shapes. ``head_tail=True`` checks the candidates in
+    head-tail order (with ``blocks``: also blocked ``f`` ways), those the dispatcher admits."""
     want = op(*args, **kwargs)
     sigs = candidate_signatures(op, *args, **kwargs)
-    if blocks > 1:
-        meta = _meta_args(args, kwargs)
+    meta = _meta_args(args, kwargs)
+    if head_tail:
+        sigs = head_tail_variants(find_rule(op), sigs, [blocks], *meta)
+    elif blocks > 1:
         sigs = blocked_variants(find_rule(op), sigs, [blocks], *meta)
     assert sigs, f"{op}: the rule gave no candidates for these arguments"
     replicated = all_broadcast(len(sigs[0].inputs), len(sigs[0].outputs))
@@ -124,7 +127,9 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
                                                                     if isinstance(o, torch.Tensor)]
                 if any(blocks_problem(shape, p.hierarchy, nd) for shape, nd in zip(shapes, c.inputs + c.outputs)):
                     continue        # the dispatcher never offers it
-                if blocks > 1 and not any(v.is_split and v.blocks > 1 for nd in c.inputs for v in nd):
+                if head_tail and not any(v.is_split and v.head_tail for nd in c.inputs for v in nd):
+                    continue        # checked in plain order
+                if blocks > 1 and not head_tail and not any(v.is_split and v.blocks > 1 for nd in c.inputs for v in nd):
                     continue        # the plain candidate, checked without blocks
                 for k, i in enumerate(tensors):
                     flat[i] = make_global(flat[i], p, c.inputs[k], rng)
@@ -132,7 +137,7 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
                 what = f"{op} on {name} with candidate {c.inputs} -> {c.outputs}"
                 run = forced_run(op, a, kw, c)
                 if run is None:
-                    assert shape_checked, f"{what}: the dispatcher did not admit it"
+                    assert shape_checked or head_tail, f"{what}: the dispatcher did not admit it"
                     continue  # its pieces do not line up on this shape: rightly not used
                 got = run(a, kw)
                 _compare(got, want, what, rtol, atol)

@@ -99,12 +99,15 @@ def test_sdpa_split_layouts_exact(place, sbp):
 
 # -- ring attention (rules/ring_attention.py) ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("order", ["plain", "head_tail"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, kv_heads, length", [(2, 2, 13), (2, 1, 16), (8, 8, 16)], ids=["uneven", "gqa", "8heads"])
-def test_ring_attention_equals_one_device_and_moves_only_key_value_blocks(causal, heads, kv_heads, length, float64):
-    """q, k and v split on the sequence, taken as they are (gt.explicit: the ring is the one signature
-    that does): forward and backward equal one device; every byte is a key/value block passed on or
-    a gradient share sent home -- no gather, no all-to-all."""
+def test_ring_attention_equals_one_device_and_moves_only_key_value_blocks(causal, heads, kv_heads, length, order,
+                                                                          float64):
+    """q, k and v split on the sequence (plain, or head-tail: two chunks a rank), taken as they are
+    (gt.explicit: the ring is the one signature that does): forward and backward equal one device;
+    every byte is a key/value block passed on or a gradient share sent home -- no gather, no
+    all-to-all."""
     torch.manual_seed(heads * 100 + length)
     q, k, v = torch.randn(2, heads, length, 8), torch.randn(2, kv_heads, length, 8), torch.randn(2, kv_heads, length, 8)
     kw = {"enable_gqa": True} if heads != kv_heads else {}
@@ -112,16 +115,17 @@ def test_ring_attention_equals_one_device_and_moves_only_key_value_blocks(causal
     want = F.scaled_dot_product_attention(*leaves, is_causal=causal, **kw)
     probe = torch.randn_like(want)
     (want * probe).sum().backward()
+    seq = S(2, order=order)
     with gt.simulate(4):
         p = gt.placement("cpu", [0, 1, 2, 3])
-        split = [gt.distribute(t, p, S(2)).requires_grad_() for t in (q, k, v)]
+        split = [gt.distribute(t, p, seq).requires_grad_() for t in (q, k, v)]
         with gt.explicit(), gt.comm_stats() as stats:
             got = F.scaled_dot_product_attention(*split, is_causal=causal, **kw)
-            (got * gt.distribute(probe, p, S(2))).sum().backward()
-        assert got.sbp == (S(2),) and set(stats.ops()) == {"send_recv"}, stats.ops()
+            (got * gt.distribute(probe, p, seq)).sum().backward()
+        assert got.sbp == (seq,) and set(stats.ops()) == {"send_recv"}, stats.ops()
         torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
         for a, b in zip(split, leaves):
-            assert a.grad.sbp == (S(2),)
+            assert a.grad.sbp == (seq,)
             torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
 
 
@@ -140,8 +144,9 @@ def _blocked_diagonal(length):
     return torch.zeros(length, length).masked_fill(~seen, -math.inf)
 
 
+@pytest.mark.parametrize("order", ["plain", "head_tail"])
 @pytest.mark.parametrize("make_mask", [_key_padding, _blocked_diagonal], ids=["key_padding_bool", "block_float"])
-def test_ring_attention_with_an_explicit_mask_equals_one_device(make_mask, float64):
+def test_ring_attention_with_an_explicit_mask_equals_one_device(make_mask, order, float64):
     """The mask's query dim split like q (or broadcast there), its key columns taken per block; a row a
     mask hides wholly from a block takes nothing from it. Forward and backward equal one device, and
     only key/value blocks move."""
@@ -153,14 +158,15 @@ def test_ring_attention_with_an_explicit_mask_equals_one_device(make_mask, float
     want = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
     probe = torch.randn_like(want)
     (want * probe).sum().backward()
+    seq = S(2, order=order)
     with gt.simulate(4):
         p = gt.placement("cpu", [0, 1, 2, 3])
-        split = [gt.distribute(t, p, S(2)).requires_grad_() for t in (q, k, v)]
-        gmask = gt.distribute(mask, p, S(mask.dim() - 2) if mask.shape[-2] != 1 else B)
+        split = [gt.distribute(t, p, seq).requires_grad_() for t in (q, k, v)]
+        gmask = gt.distribute(mask, p, S(mask.dim() - 2, order=order) if mask.shape[-2] != 1 else B)
         with gt.explicit(), gt.comm_stats() as stats:
             got = F.scaled_dot_product_attention(*split, attn_mask=gmask)
-            (got * gt.distribute(probe, p, S(2))).sum().backward()
-        assert got.sbp == (S(2),) and set(stats.ops()) == {"send_recv"}, stats.ops()
+            (got * gt.distribute(probe, p, seq)).sum().backward()
+        assert got.sbp == (seq,) and set(stats.ops()) == {"send_recv"}, stats.ops()
         torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
         for a, b in zip(split, leaves):
             torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
@@ -207,7 +213,8 @@ def test_the_cost_model_chooses_between_ring_and_ulysses_by_bytes(heads, recorde
         assert chosen in stats.ops() and "all_gather" not in stats.ops(), stats.ops()
 
 
-def test_ring_attention_compiles_with_gt_compile(float64):
+@pytest.mark.parametrize("order", ["plain", "head_tail"])
+def test_ring_attention_compiles_with_gt_compile(order, float64):
     """Its blocks' transfers are collectives the capture records, its masks follow from the ranges:
     a compiled causal forward and backward equals one device on new data."""
     def step(q, k, v):
@@ -221,7 +228,7 @@ def test_ring_attention_compiles_with_gt_compile(float64):
         compiled = gt.compile(step)
         for _ in range(3):                              # eager, capture, a graph run
             tensors = [torch.randn(2, 2, 13, 8) for _ in range(3)]
-            split = [gt.distribute(t, p, S(2)).requires_grad_() for t in tensors]
+            split = [gt.distribute(t, p, S(2, order=order)).requires_grad_() for t in tensors]
             got = compiled(*split)
             leaves = [t.clone().requires_grad_() for t in tensors]
             want = F.scaled_dot_product_attention(*leaves, is_causal=True)
@@ -229,3 +236,44 @@ def test_ring_attention_compiles_with_gt_compile(float64):
             torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
             for a, b in zip(split, leaves):
                 torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
+
+
+def _attention_work(order: str, length: int = 64, width: int = 4) -> tuple:
+    """Per rank, the query-key scores per (batch, head) its causal ring attention computes (forward),
+    counted from the kernel calls themselves (a block run with ``is_causal`` scores its lower
+    triangle, any other all of its rows x keys), and as ``attention_work`` models them."""
+    from globaltensor.ops.rules.ring_attention import attention_work
+    from globaltensor.ops.rules import attention
+    work = dict.fromkeys(range(width), 0)
+    ring_forward = attention.ring_forward
+
+    def counting(func, n_by_rank, ins, causal, scale):
+        owner = {n["query"].untyped_storage().data_ptr(): r for r, n in n_by_rank.items()}
+        assert len(owner) == len(n_by_rank)
+
+        def counted(q, k, v, dropout_p, is_causal, **kw):
+            n, m = q.shape[2], k.shape[2]
+            work[owner[q.untyped_storage().data_ptr()]] += n * (n + 1) // 2 if is_causal else n * m
+            return func(q, k, v, dropout_p, is_causal, **kw)
+        return ring_forward(counted, n_by_rank, ins, causal, scale)
+
+    with pytest.MonkeyPatch.context() as patched, gt.simulate(width):
+        patched.setattr(attention, "ring_forward", counting)
+        p = gt.placement("cpu", list(range(width)))
+        q, k, v = (gt.distribute(torch.randn(1, 2, length, 8), p, S(2, order=order)) for _ in range(3))
+        with gt.explicit():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        modelled = attention_work(q._layout, k._layout, causal=True)
+    return work, modelled
+
+
+def test_the_head_tail_split_balances_causal_ring_attention():
+    """Under the causal mask a plain sequence split leaves rank 0 one triangle and rank 3 three blocks
+    and a triangle; the head-tail split gives every rank the same work: both count the whole causal
+    triangle, and per rank the head-tail work is equal (the issue asks within 5%)."""
+    (plain, plain_modelled), (balanced, balanced_modelled) = _attention_work("plain"), _attention_work("head_tail")
+    assert plain == plain_modelled and balanced == balanced_modelled
+    triangle = 64 * 65 // 2                                         # per (batch, head), as both count
+    assert sum(plain.values()) == sum(balanced.values()) == triangle
+    assert max(balanced.values()) == min(balanced.values()) == triangle // 4
+    assert max(plain.values()) / (triangle / 4) > 1.7          # 904 of a mean 520

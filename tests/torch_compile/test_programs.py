@@ -25,6 +25,7 @@ LAYOUTS = {
     "hybrid": ([[0, 1], [2, 3]], lambda: gnn.megatron_plan(**TENSOR_PARALLEL, axis=1, ndim=2), (S(0), B)),
     "fsdp": ([0, 1, 2, 3], lambda: {"wte.weight": B, "wpe.weight": B, "*.weight": S(0), "*.bias": S(0)}, (S(0),)),
     "loss_parallel": ([0, 1, 2, 3], lambda: gnn.megatron_plan(**TENSOR_PARALLEL, extra={"lm_head.weight": S(0)}), (B,)),
+    "context_parallel": ([0, 1, 2, 3], lambda: None, (S(1, order="head_tail"),)),
 }
 
 

@@ -217,16 +217,34 @@ def _tile(box, blocks) -> tuple:
 
 
 def _prepare_slice(step: Step, world: World) -> dict:
-    return {r: _cuts(relative(step.dst.box(r), step.src.box(r)), step.src.piece_shape(r))
-            for r in step.src.placement.rank_list() if world.holds(r)}
+    """Per rank held here: the cuts of its target box in its piece; to a head-tail target, the target
+    piece's shape and, per box it holds, where the box lies in it and its cuts in the source piece."""
+    src, dst = step.src, step.dst
+    if dst.head_tail:
+        return {r: (dst.piece_shape(r), tuple((_cuts(placed, dst.piece_shape(r)),
+                                               _cuts(relative(whole, src.box(r)), src.piece_shape(r)))
+                                              for whole, placed in dst.cells(r)))
+                for r in src.placement.rank_list() if world.holds(r)}
+    return {r: _cuts(relative(dst.box(r), src.box(r)), src.piece_shape(r))
+            for r in src.placement.rank_list() if world.holds(r)}
 
 
 def _slice(step: Step, cuts, pieces, world):
+    if step.dst.head_tail:
+        return {r: _assembled(t, *cuts[r]) for r, t in pieces.items()}
     out = {}
     for r, t in pieces.items():         # a loop, not a comprehension and narrowed: fewer Python calls
         for d, s, l in cuts[r]:
             t = t.narrow(d, s, l)
         out[r] = t.clone()
+    return out
+
+
+def _assembled(t, shape, parts) -> torch.Tensor:
+    """A new tensor of ``shape`` whose part at each ``(place cuts, source cuts)`` is ``t``'s."""
+    out = t.new_empty(shape)
+    for place, source in parts:
+        narrowed(out, place).copy_(narrowed(t, source))
     return out
 
 
@@ -302,6 +320,8 @@ def _prepare_send_recv(step: Step, world: World) -> tuple:
     its device and how its piece is assembled from the transfers it receives (None: a 0-d piece,
     the one transfer's tensor)."""
     src, dst = step.src, step.dst
+    if step.regions:
+        return _prepare_reorder(step, world)
     sends = {i: _cuts(relative(intersect(src.box(t.src), dst.box(t.dst)), src.box(t.src)), src.piece_shape(t.src))
              for i, t in enumerate(step.transfers) if world.holds(t.src)}
     receives = {}
@@ -310,6 +330,21 @@ def _prepare_send_recv(step: Step, world: World) -> tuple:
             box = dst.box(r)
             mine = [i for i, t in enumerate(step.transfers) if t.dst == r]
             how = _tile(box, [intersect(src.box(step.transfers[i].src), box) for i in mine]) if box else None
+            receives[r] = (world.device(dst.placement.type, r), mine, how)
+    return sends, receives
+
+
+def _prepare_reorder(step: Step, world: World) -> tuple:
+    """_prepare_send_recv's meta where each transfer carries a named box of the tensor (head_tail.py)."""
+    src, dst, regions = step.src, step.dst, step.regions
+    sends = {i: _cuts(src.in_piece(t.src, regions[i]), src.piece_shape(t.src))
+             for i, t in enumerate(step.transfers) if world.holds(t.src)}
+    receives = {}
+    for r in dst.placement.rank_list():
+        if world.holds(r):
+            shape = dst.piece_shape(r)
+            mine = [i for i, t in enumerate(step.transfers) if t.dst == r]
+            how = (shape, tuple(_cuts(dst.in_piece(r, regions[i]), shape) for i in mine))
             receives[r] = (world.device(dst.placement.type, r), mine, how)
     return sends, receives
 

@@ -8,7 +8,7 @@ from itertools import product
 import torch
 
 from ..placement import Placement
-from ..sbp.shape import blocked_dims, factored, numel, piece_ranges, piece_shape
+from ..sbp.shape import blocked_dims, factored, head_tail_axes, numel, piece_ranges, piece_shape, segments
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,41 @@ class Layout:
     def blocked(self) -> bool:
         """Whether a split of this layout is blocked (its pieces are boxes of :meth:`factored` only)."""
         return bool(blocked_dims(self.nd_sbp))
+
+    @property
+    def head_tail(self) -> bool:
+        """Whether a split of this layout is head-tail (its pieces are grids of boxes: :meth:`cells`)."""
+        return bool(head_tail_axes(self.nd_sbp))
+
+    def segments(self, rank: int, dim: int) -> tuple:
+        """``(start in the tensor, start in the piece, length)`` of each range of dim ``dim`` that
+        ``rank``'s piece holds, in order (sbp/shape.py ``segments``)."""
+        out, offset = [], 0
+        for start, length in segments(self.shape, self.placement.hierarchy, self.nd_sbp,
+                                      self.placement.coord(rank))[dim]:
+            out.append((start, offset, length))
+            offset += length
+        return tuple(out)
+
+    def cells(self, rank: int) -> tuple:
+        """``(box in the tensor, box in the piece)`` for each box of the tensor that ``rank``'s piece
+        holds (sbp/shape.py ``segments``: the grid of each dim's ranges); one for a plain layout."""
+        segs = segments(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
+        per_dim = []
+        for ranges in segs:
+            offset, placed = 0, []
+            for start, length in ranges:
+                placed.append(((start, length), (offset, length)))
+                offset += length
+            per_dim.append(placed)
+        return tuple((tuple(g for g, _ in cell), tuple(p for _, p in cell)) for cell in product(*per_dim))
+
+    def in_piece(self, rank: int, region: tuple) -> tuple:
+        """Where ``region`` (a box of the tensor inside one of ``rank``'s :meth:`cells`) lies in the piece."""
+        for whole, placed in self.cells(rank):
+            if intersect(whole, region) == region:
+                return tuple((p + s - w, l) for (s, l), (w, _), (p, _) in zip(region, whole, placed))
+        raise ValueError(f"{region} is not inside one box of rank {rank}'s piece of {self.nd_sbp!r}")
 
     def factored(self, blocks: tuple = ()) -> "Layout":
         """The layout of the factored tensor (sbp/shape.py ``factored``): the same pieces, each

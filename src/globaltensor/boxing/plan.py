@@ -21,7 +21,9 @@ reshapes its piece to or from a blocked split's factored layout). Same-placement
     target ranks that hold it keep it; ``all_gather`` (``axes`` empty) gathers the pieces of
     a source replica, flattened, over a group of those ranks and the target ranks, member i
     giving ``sizes[i]`` elements (0 for members that only receive);
-    ``send_recv`` runs ``transfers``.
+    ``send_recv`` runs ``transfers``; where ``regions`` is given (a head-tail reorder, head_tail.py),
+    transfer ``i`` carries box ``regions[i]`` of the tensor, else the intersection of its two pieces.
+    A ``slice`` to a head-tail layout takes each rank's chunks of its piece.
     """
     op: str
     src: Layout
@@ -32,6 +34,7 @@ reshapes its piece to or from a blocked split's factored layout). Same-placement
     transfers: tuple = field(default=())
     root: int = -1
     sizes: tuple = field(default=())
+    regions: tuple = field(default=())
 
     @property
     def is_collective(self) -> bool:

@@ -12,7 +12,8 @@ plus the reduce-scatter of a partial source.
 A blocked split's pieces are boxes of the factored tensor only (sbp/shape.py): a boxing from or
 to one is planned there, between ``refactor`` steps (each rank reshapes its piece, no data
 moves); a layout the factoring cannot describe (a plain split cutting blocks apart, or other
-block counts) is reached through the plain layout with the blocked axes broadcast.
+block counts) is reached through the plain layout with the blocked axes broadcast. Head-tail splits
+are planned in head_tail.py.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from itertools import combinations
 
 from ..sbp.values import broadcast, partial_sum, split
 from .axis_step import is_clean, make_step, regroups
+from .head_tail import head_tail_steps
 from .layout import Layout, intersect
 from .plan import Plan, Step
 from ..comm.stats import ring_bytes
@@ -35,6 +37,8 @@ def plan_boxing(src: Layout, dst: Layout) -> Plan:
         raise ValueError(f"boxing: source and target must have the same shape and dtype, got {src} and {dst}")
     if src == dst:
         steps = []
+    elif src.head_tail or dst.head_tail:
+        steps = head_tail_steps(src, dst, plan_boxing)
     elif src.blocked or dst.blocked:
         steps = _through_factored(src, dst)
     elif src.placement == dst.placement:
@@ -68,7 +72,7 @@ def _refactor(src: Layout, dst: Layout) -> Step:
 
 def _unblocked(layout: Layout) -> Layout:
     """``layout`` with its blocked axes broadcast."""
-    return layout.with_sbp(tuple(broadcast if v.is_split and v.blocks > 1 else v for v in layout.nd_sbp))
+    return layout.with_sbp(tuple(broadcast if v.is_split and v.blocked else v for v in layout.nd_sbp))
 
 
 def _values(src: Layout, target: tuple) -> list:

@@ -102,8 +102,9 @@ def to_dtensor(x: GlobalTensor, mesh: Optional[DeviceMesh] = None) -> DTensor:
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"to_dtensor(mesh=): expected a torch.distributed DeviceMesh or None, "
                         f"got {type(mesh).__name__}")
-    if x._layout.blocked:
-        raise ValueError(f"to_dtensor: the tensor's sbp {x.sbp} has a blocked split, which no DTensor placement "
+    if x._layout.blocked or x._layout.head_tail:
+        kind = "a blocked" if x._layout.blocked else "a head-tail"
+        raise ValueError(f"to_dtensor: the tensor's sbp {x.sbp} has {kind} split, which no DTensor placement "
                          f"describes; convert it first: x.to_global(sbp=...) with plain splits")
     _require_process_world("to_dtensor")
     placement = x.placement

@@ -84,7 +84,7 @@ class View:
 def _replica_class(layout, rank: int):
     """Ranks of one class hold the same block and the same partial share: their pieces must be equal."""
     coord = layout.placement.coord(rank)
-    return (layout.factored().box(rank), tuple(c for c, v in zip(coord, layout.nd_sbp) if v.is_partial))
+    return (layout.cells(rank), tuple(c for c, v in zip(coord, layout.nd_sbp) if v.is_partial))
 
 
 def _has_replicas(layout) -> bool:

@@ -40,7 +40,7 @@ def _build(layout: Layout, make_piece, requires_grad: bool) -> GlobalTensor:
     """Make each held rank's piece of the partial-free, unblocked layout, then zero partial axes
     and take the blocks' parts locally (the values follow the logical index, as on one device)."""
     world = get_world()
-    plain = layout.with_sbp(tuple(broadcast if v.is_partial or v.is_split and v.blocks > 1 else v
+    plain = layout.with_sbp(tuple(broadcast if v.is_partial or v.is_split and (v.blocks > 1 or v.head_tail) else v
                                   for v in layout.nd_sbp))
     pieces = {r: make_piece(plain.box(r), world.device(layout.placement.type, r))
               for r in layout.placement.rank_list() if world.holds(r)}

@@ -14,7 +14,10 @@ pieces (after ``local``), returns ``{rank: result}``. ``blocked``: the op keeps 
 a split dim where it was (pointwise ops, matrix products, reductions over other dims, dim
 permutations), so each candidate holds with every split blocked alike (``split(d, blocks=f)``,
 f taken from the inputs): True for all candidates, or a function of the op's arguments
-returning the candidates for which this holds. ``out_meta``: where the op's meta kernel and its
+returning the candidates for which this holds; the same candidates hold in head-tail order
+(``split(d, order="head_tail")``), blocked or not, where every head-tail split of the signature cuts
+blocks of one size. ``head_tail``: as ``blocked``, for head-tail order only, where a rule says so
+apart (sdpa's sequence signatures: ring attention reads its chunks' positions). ``out_meta``: where the op's meta kernel and its
 device kernel disagree on an output's shape (eval batch norm's saved statistics are ``[C]`` on
 meta, ``[0]`` on CPU), ``out_meta(meta_out, device_type, *args, **kwargs)`` returns the device's. It is called
 once per call even when this process holds no rank of the placement (random ops reserve
@@ -53,6 +56,7 @@ class Rule:
     out_meta: Optional[Callable] = None
     kernel_bytes: Optional[Callable] = None
     admit: Optional[Callable] = None
+    head_tail: object = None
 
 
 RULES: dict = {}
@@ -74,7 +78,7 @@ def _overloads(op) -> list:
 
 
 def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False,
-                  out_meta=None, kernel_bytes=None, admit=None):
+                  out_meta=None, kernel_bytes=None, admit=None, head_tail=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
@@ -84,7 +88,7 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
         _check_rule(ops, fn, {"local": local, "kernel": kernel, "out_meta": out_meta, "kernel_bytes": kernel_bytes,
                               "admit": admit})
         rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta,
-                    kernel_bytes, admit)
+                    kernel_bytes, admit, head_tail)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule

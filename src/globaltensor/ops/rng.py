@@ -61,12 +61,26 @@ def _mix_int(x: int) -> int:
 
 def positions(shape: tuple, box: tuple, device) -> torch.Tensor:
     """Row-major logical positions (int64) of the elements of the block ``box`` of ``shape``."""
+    return _grid_positions(shape, [((start, length),) for start, length in box], device)
+
+
+def piece_positions(layout, rank: int, device) -> torch.Tensor:
+    """Row-major logical positions (int64) of the elements of ``rank``'s piece of ``layout``, in the
+    piece's order: its box, or for a blocked or head-tail split the grid of its ranges."""
+    if not (layout.head_tail or layout.blocked):
+        return positions(layout.shape, layout.box(rank), device)
+    return _grid_positions(layout.shape, [tuple((s, l) for s, _, l in layout.segments(rank, d))
+                                          for d in range(len(layout.shape))], device)
+
+
+def _grid_positions(shape: tuple, ranges: list, device) -> torch.Tensor:
+    """Positions of the grid whose dim ``d`` holds the ranges ``ranges[d]`` (``(start, length)`` each)."""
     pos = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for d in reversed(range(len(shape))):
-        start, length = box[d]
-        idx = torch.arange(start, start + length, dtype=torch.int64, device=device) * stride
-        pos = pos.unsqueeze(0) + idx.view((length,) + (1,) * (len(shape) - 1 - d))
+        idx = torch.cat([torch.arange(start, start + length, dtype=torch.int64, device=device)
+                         for start, length in ranges[d]] or [torch.zeros(0, dtype=torch.int64, device=device)])
+        pos = pos.unsqueeze(0) + (idx * stride).view((idx.numel(),) + (1,) * (len(shape) - 1 - d))
         stride *= shape[d]
     return pos
 

@@ -41,7 +41,7 @@ def normalize_split(v: SbpValue, tensor_ndim: int, name: str = "sbp") -> SbpValu
             f"{name}: split dim {d} is out of range for a tensor of {tensor_ndim} dims "
             f"(expected {-tensor_ndim}..{tensor_ndim - 1})" if tensor_ndim else
             f"{name}: split({d}) is impossible for a 0-dim tensor")
-    return Split(d % tensor_ndim, v.blocks) if d < 0 else v
+    return Split(d % tensor_ndim, v.blocks, v.order) if d < 0 else v
 
 
 def split_axes(nd_sbp: tuple, dim: int) -> list:

@@ -9,12 +9,18 @@ and cuts the second: a rank's piece is its part of every block. Its pieces are n
 the tensor but boxes of the *factored* tensor, whose dim ``d`` is that pair: plain splits of
 ``d`` on the same placement (on earlier axes) cut the blocks, ``f`` over their ranks, blocked
 ones cut within them. A rank's piece is its factored box, read in row-major order.
+
+A head-tail split (``split(d, order="head_tail")``, ``blocks=f`` allowed) cuts each block of dim ``d``
+into ``2W`` balanced chunks; rank ``r`` of the axis holds chunks ``r`` and ``2W - 1 - r`` of every
+block, side by side in that order. It is the only split of its dim. Its pieces are grids of
+boxes, one *segment* list per dim (:func:`segments`): a dim's segments are the ranges of the
+logical dim that the piece's dim holds, in order.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
-from .values import split
+from .values import broadcast, split
 
 
 def balanced_sizes(n: int, k: int) -> tuple:
@@ -30,8 +36,28 @@ def balanced_range(n: int, k: int, i: int) -> tuple:
 
 
 def blocked_dims(nd_sbp: tuple) -> dict:
-    """``{dim: blocks}`` of the blocked splits in ``nd_sbp`` (empty for plain layouts)."""
-    return {v.dim: v.blocks for v in nd_sbp if v.is_split and v.blocks > 1}
+    """``{dim: blocks}`` of the blocked splits in plain order in ``nd_sbp`` (empty for plain layouts)."""
+    return {v.dim: v.blocks for v in nd_sbp if v.is_split and v.blocked}
+
+
+def head_tail_axes(nd_sbp: tuple) -> dict:
+    """``{dim: axis}`` of the head-tail splits in ``nd_sbp``."""
+    return {v.dim: a for a, v in enumerate(nd_sbp) if v.is_split and v.head_tail}
+
+
+def head_tail_problem(shape: tuple, nd_sbp: tuple):
+    """Why ``nd_sbp``'s head-tail splits do not describe pieces of ``shape`` (a string), or None."""
+    axes = head_tail_axes(nd_sbp)
+    if not axes:
+        return None
+    if blocked_dims(nd_sbp):
+        return f"a head-tail split and a blocked split in plain order in one layout: {nd_sbp!r}"
+    for d, a in axes.items():
+        if sum(v.is_split and v.dim == d for v in nd_sbp) > 1:
+            return f"a head-tail split is the only split of its dim, but dim {d} is split more: {nd_sbp!r}"
+        if shape[d] % nd_sbp[a].blocks:
+            return f"dim {d} of size {shape[d]} does not hold {nd_sbp[a].blocks} equal blocks"
+    return None
 
 
 def blocks_problem(shape: tuple, hierarchy: tuple, nd_sbp: tuple, blocks: tuple = ()):
@@ -41,6 +67,9 @@ def blocks_problem(shape: tuple, hierarchy: tuple, nd_sbp: tuple, blocks: tuple 
     splits of that dim come on earlier axes and cut whole blocks (their ranks divide ``f``).
     ``blocks`` (``(dim, f)`` pairs) asks the same of dims to factor that ``nd_sbp`` does not
     block: whether :func:`factored` with them describes the same pieces."""
+    problem = head_tail_problem(shape, nd_sbp)
+    if problem or head_tail_axes(nd_sbp):
+        return problem
     f_of = dict(blocks)
     f_of.update(blocked_dims(nd_sbp))
     for d, f in f_of.items():
@@ -63,6 +92,9 @@ def factored(shape: tuple, nd_sbp: tuple, blocks: tuple = ()) -> tuple:
     """``(shape, nd_sbp)`` of the factored tensor: each blocked dim ``d`` (``blocks`` adds
     ``(dim, f)`` pairs to factor though ``nd_sbp`` does not block them) becomes the pair
     ``(f, n/f)``, its plain splits cutting the first, its blocked splits the second."""
+    if head_tail_axes(nd_sbp):
+        raise ValueError(f"factored: the pieces of {nd_sbp!r} are no boxes of a factored tensor (a head-tail "
+                         f"split holds two chunks of each block); use their segments")
     f_of = dict(blocks)
     f_of.update(blocked_dims(nd_sbp))
     where, out = {}, []
@@ -77,10 +109,10 @@ def factored(shape: tuple, nd_sbp: tuple, blocks: tuple = ()) -> tuple:
 def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple, split_range=balanced_range) -> tuple:
     """(start, length) per tensor dim of the piece held at ``coord`` of the hierarchy; splits cut
     by ``split_range(n, k, i)`` (ours balanced; interop passes DTensor's chunk-style cut).
-    Blocked splits have no such box: ValueError (see :func:`factored`)."""
-    if blocked_dims(nd_sbp):
-        raise ValueError(f"piece_ranges: the pieces of {nd_sbp!r} are not boxes of the tensor (a blocked split "
-                         f"takes a part of every block); use the factored layout")
+    Blocked and head-tail splits have no such box: ValueError (see :func:`factored`, :func:`segments`)."""
+    if blocked_dims(nd_sbp) or head_tail_axes(nd_sbp):
+        raise ValueError(f"piece_ranges: the pieces of {nd_sbp!r} are not boxes of the tensor (a blocked or "
+                         f"head-tail split takes parts of the dim); use the factored layout or the segments")
     ranges = [(0, n) for n in shape]
     for axis, v in enumerate(nd_sbp):
         if v.is_split:
@@ -90,8 +122,42 @@ def piece_ranges(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple, sp
     return tuple(ranges)
 
 
+@lru_cache(maxsize=65536)
+def segments(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
+    """Per dim, the ``(start, length)`` ranges of the logical dim that the piece held at ``coord``
+    holds along that dim, in the piece's order (empty ranges left out): one for a plain split,
+    one per block for a blocked one, two per block for a head-tail one."""
+    ht = head_tail_axes(nd_sbp)
+    if ht:
+        plain = tuple(v if not (v.is_split and v.head_tail) else broadcast for v in nd_sbp)
+        out = [(r,) for r in piece_ranges(shape, hierarchy, plain, coord)]
+        for d, a in ht.items():
+            width, c, f = hierarchy[a], coord[a], nd_sbp[a].blocks
+            size = shape[d] // f
+            out[d] = tuple((b * size + start, length) for b in range(f)
+                           for start, length in (balanced_range(size, 2 * width, c),
+                                                 balanced_range(size, 2 * width, 2 * width - 1 - c)) if length)
+        return tuple(out)
+    f_of = blocked_dims(nd_sbp)
+    if not f_of:
+        return tuple((r,) for r in piece_ranges(shape, hierarchy, nd_sbp, coord))
+    fshape, fnd = factored(shape, nd_sbp)
+    fbox = iter(piece_ranges(fshape, hierarchy, fnd, coord))
+    out = []
+    for d in range(len(shape)):
+        first = next(fbox)
+        if d not in f_of:
+            out.append((first,))
+            continue
+        (s, l), size = next(fbox), shape[d] // f_of[d]
+        out.append(tuple((b * size + s, l) for b in range(first[0], first[0] + first[1]) if l))
+    return tuple(out)
+
+
 def piece_shape(shape: tuple, hierarchy: tuple, nd_sbp: tuple, coord: tuple) -> tuple:
     """The shape of the piece held at ``coord`` of the hierarchy."""
+    if head_tail_axes(nd_sbp):
+        return tuple(sum(l for _, l in segs) for segs in segments(shape, hierarchy, nd_sbp, coord))
     f_of = blocked_dims(nd_sbp)
     if not f_of:
         return tuple(l for _, l in piece_ranges(shape, hierarchy, nd_sbp, coord))

@@ -11,10 +11,12 @@ def sbp_text(nd_sbp: tuple) -> str:
 
 
 def nd_to_list(nd: tuple) -> list:
-    """An nd-SBP as plain data: ``["S", dim, blocks]``, ``["B"]`` or ``["P"]`` per axis."""
-    return [["S", v.dim, v.blocks] if v.is_split else ["P"] if v.is_partial else ["B"] for v in nd]
+    """An nd-SBP as plain data: ``["S", dim, blocks]`` (``["S", dim, blocks, "head_tail"]``), ``["B"]``
+    or ``["P"]`` per axis."""
+    return [["S", v.dim, v.blocks] + ([v.order] if v.head_tail else []) if v.is_split else
+            ["P"] if v.is_partial else ["B"] for v in nd]
 
 
 def nd_from_list(values: list) -> tuple:
     """The nd-SBP :func:`nd_to_list` wrote."""
-    return tuple(split(v[1], v[2]) if v[0] == "S" else partial_sum if v[0] == "P" else broadcast for v in values)
+    return tuple(split(*v[1:]) if v[0] == "S" else partial_sum if v[0] == "P" else broadcast for v in values)

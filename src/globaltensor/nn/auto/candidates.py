@@ -16,7 +16,9 @@ Each placement axis then takes a role:
 - ``tensor``: the Megatron pairs split as above, everything else broadcast, the inputs broadcast;
 - ``fsdp``: every parameter split along its largest dim (gathered where an op needs it whole),
   the inputs split along their batch dim;
-- ``sequence``: parameters broadcast, the inputs split along dim 1;
+- ``sequence``: parameters broadcast, the inputs split along dim 1 -- balanced (head-tail: rank ``r``
+  of ``W`` holds chunks ``r`` and ``2W - 1 - r``, so under a causal mask every rank attends as much),
+  or plainly; the balanced one is listed first, so it wins where the two cost the same;
 - ``expert`` (models with MoE experts modules, ``nn/moe``): the experts' stacked weights split over
   their experts, every other parameter broadcast, the inputs split along their batch dim; the
   tokens travel to their experts (``gt.nn.expert_parallel``). One axis at most.
@@ -56,6 +58,7 @@ class Candidate:
     zero: bool = False          # optimizer state split over the first data axis
     vocab: bool = False         # the tensor role also splits the head over the vocabulary
     blocked: bool = False       # the tensor role splits fused column layers block by block
+    balanced: bool = False      # the sequence role splits the inputs head-tail
 
     @property
     def expert_axis(self) -> Optional[int]:
@@ -66,7 +69,8 @@ class Candidate:
         names = {"data": "data parallel", "tensor": "tensor parallel (Megatron)", "fsdp": "FSDP",
                  "sequence": "sequence split", "expert": "expert parallel"}
         text = " x ".join(names[r] for r in self.roles)
-        return (text + (", fused layers blocked" if self.blocked else "") + (" + ZeRO" if self.zero else "")
+        return (text + (", fused layers blocked" if self.blocked else "") + (" (balanced)" if self.balanced else "")
+                + (" + ZeRO" if self.zero else "")
                 + (" + vocabulary-parallel head" if self.vocab else ""))
 
 
@@ -184,14 +188,15 @@ def expert_weights(model: nn.Module) -> set:
     return {f"{name}.{w}" for name, _, kind in find_experts(model) for w in kind.weights}
 
 
-def input_layout(t: torch.Tensor, roles: Tuple[str, ...]) -> tuple:
-    """An input's nd-SBP: its batch dim split on data and fsdp axes, dim 1 on sequence axes."""
+def input_layout(t: torch.Tensor, roles: Tuple[str, ...], balanced: bool = False) -> tuple:
+    """An input's nd-SBP: its batch dim split on data and fsdp axes, dim 1 on sequence axes (head-tail
+    where ``balanced``)."""
     out = []
     for role in roles:
         if role in ("data", "fsdp", "expert") and t.dim() >= 1:
             out.append(split(0))
         elif role == "sequence" and t.dim() >= 2:
-            out.append(split(1))
+            out.append(split(1, order="head_tail" if balanced else "plain"))
         else:
             out.append(broadcast)
     return tuple(out)
@@ -211,6 +216,8 @@ def candidates(model: nn.Module, ndim: int, sequence: bool, order: Dict[str, int
     for combo in itertools.product(roles, repeat=ndim):
         if combo.count("sequence") > 1 or combo.count("expert") > 1:
             continue
+        if "sequence" in combo:
+            out.append(Candidate(combo, balanced=True))
         out.append(Candidate(combo))
         if "data" in combo:
             out.append(Candidate(combo, zero=True))

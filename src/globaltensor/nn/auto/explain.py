@@ -70,7 +70,7 @@ def _alternatives(plan) -> list:
 
     def named(roles, zero=False):
         return next((o for o in plan.options if o.candidate.roles == roles and o.candidate.zero == zero
-                     and not o.candidate.vocab and not o.candidate.blocked), None)
+                     and not o.candidate.vocab and not o.candidate.blocked and not o.candidate.balanced), None)
     classic = [named(("data",) * n), named(("data",) * (n - 1) + ("tensor",)), named(("data",) * n, zero=True)]
     ranked = sorted(plan.options, key=lambda o: o.cost.seconds)
     shown = []

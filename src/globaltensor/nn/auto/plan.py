@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -63,7 +63,8 @@ class Option:
 
     def to_dict(self) -> dict:
         return {"name": self.candidate.name, "roles": list(self.candidate.roles), "zero": self.candidate.zero,
-                "vocab": self.candidate.vocab, "blocked": self.candidate.blocked, "params": {k: nd_to_list(v) for k, v in self.params.items()},
+                "vocab": self.candidate.vocab, "blocked": self.candidate.blocked,
+                "balanced": self.candidate.balanced, "params": {k: nd_to_list(v) for k, v in self.params.items()},
                 "buffers": {k: nd_to_list(v) for k, v in self.buffers.items()},
                 "inputs": [nd_to_list(v) for v in self.inputs],
                 "cost": {"bytes": self.cost.bytes, "collectives": self.cost.collectives,
@@ -146,7 +147,7 @@ class AutoPlan(Mapping):
 def _option_from_dict(o: dict) -> Option:
     c = o["cost"]
     cost = Cost(c["bytes"], c["collectives"], c["seconds"], c["memory"], dict(c["memory_parts"]))
-    return Option(Candidate(tuple(o["roles"]), o["zero"], o["vocab"], o["blocked"]),
+    return Option(Candidate(tuple(o["roles"]), o["zero"], o["vocab"], o["blocked"], o.get("balanced", False)),
                   {k: nd_from_list(v) for k, v in o["params"].items()},
                   {k: nd_from_list(v) for k, v in o["buffers"].items()},
                   [nd_from_list(v) for v in o["inputs"]], cost)
@@ -180,7 +181,8 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
 
     def cost_of(candidate: Candidate, order: Dict[str, int]) -> Option:
         params = parameter_layouts(model, candidate, tensors, placement.hierarchy, order)
-        inputs = [input_layout(torch.empty(shape, device="meta"), candidate.roles) for shape, _ in args]
+        inputs = [input_layout(torch.empty(shape, device="meta"), candidate.roles, candidate.balanced)
+                  for shape, _ in args]
         zero_axis = candidate.roles.index("data") if candidate.zero else None
         cost = evaluate(model, placement, world_size, params, buffers,
                         [(shape, dtype, nd) for (shape, dtype), nd in zip(args, inputs)], step, zero_axis,
@@ -197,9 +199,22 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         least = min(options, key=lambda o: o.cost.memory)
         raise ValueError(f"auto_plan(memory_limit=): no layout fits {memory_limit:,} bytes per rank; the smallest, "
                          f"{least.candidate.name}, needs {least.cost.memory:,} ({_parts(least.cost)})")
-    chosen = min(fitting, key=lambda o: (o.cost.seconds, o.cost.bytes, options.index(o)))
+    chosen = min(_balanced_first(fitting), key=lambda o: (o.cost.seconds, o.cost.bytes, options.index(o)))
     plan = _CACHE[key] = AutoPlan(placement, chosen, options, memory_limit)
     return plan
+
+
+BALANCED_SLACK = 0.01
+
+
+def _balanced_first(options: list) -> list:
+    """``options`` without each plain sequence split whose balanced twin (the same roles, head-tail)
+    is there and models at most ``BALANCED_SLACK`` more time. The modelled time counts communication
+    only; under a causal mask the plain split gives the last rank several times the first's attention
+    work, which a few bytes' difference (where a scalar's all-reduce lands) does not outweigh."""
+    twins = {replace(o.candidate, balanced=False): o for o in options if o.candidate.balanced}
+    return [o for o in options if o.candidate.balanced or o.candidate not in twins
+            or twins[o.candidate].cost.seconds > o.cost.seconds * (1 + BALANCED_SLACK)]
 
 
 @contextmanager

@@ -1,8 +1,9 @@
 """The second stage of a decision: the nd-signatures a rule admits for this call.
 
 The rule's candidates for one placement axis, the same with every split blocked where the inputs
-hold blocked splits (``split(d, blocks=f)``) and the rule declares ``blocked``, and the all-broadcast
-one, combined over the placement's axes; then filtered: a written tensor keeps its layout, as an
+hold blocked splits (``split(d, blocks=f)``) and the rule declares ``blocked``, the same in head-tail
+order where the inputs hold head-tail splits (``head_tail``, or else ``blocked``), and the
+all-broadcast one, combined over the placement's axes; then filtered: a written tensor keeps its layout, as an
 input and as the output that returns it; blocked splits must lay out their tensors; a
 ``check_shapes`` rule's pieces must come out as the balanced pieces of its outputs.
 """
@@ -49,9 +50,13 @@ def candidates(r: Route, func, args, kwargs, recording) -> Problem:
     in_layouts = [t._layout if isinstance(t, GlobalTensor) else
                   Layout(tuple(t.shape), t.dtype, placement, (broadcast,) * placement.ndim) for t in tensors]
     per_axis = [as_signature(c) for c in rule.candidates(*meta_args, **meta_kwargs)]
-    counts = sorted({v.blocks for lay in in_layouts for v in lay.nd_sbp if v.is_split and v.blocks > 1})
+    counts = sorted({v.blocks for lay in in_layouts for v in lay.nd_sbp if v.is_split and v.blocked})
+    orders = sorted({v.blocks for lay in in_layouts for v in lay.nd_sbp if v.is_split and v.head_tail})
+    plain = per_axis
     if counts:
-        per_axis += blocked_variants(rule, per_axis, counts, meta_args, meta_kwargs)
+        per_axis = per_axis + blocked_variants(rule, plain, counts, meta_args, meta_kwargs)
+    if orders:
+        per_axis = per_axis + head_tail_variants(rule, plain, orders, meta_args, meta_kwargs)
     per_axis = [c for c in per_axis + [all_broadcast(len(tensors), len(outs))]
                 if len(c.inputs) == len(tensors) and len(c.outputs) == len(outs)]
     inside = recording == "inside"
@@ -64,6 +69,8 @@ def candidates(r: Route, func, args, kwargs, recording) -> Problem:
                 if all(c.inputs[k] == in_layouts[k].nd_sbp for k in written)
                 and all(c.outputs[j] == in_layouts[k].nd_sbp for j, k in returned.items() if j < len(c.outputs))]
     admitted = [c for c in admitted if _blocks_fit(c, in_layouts, out_meta, placement)]
+    if orders:
+        admitted = [c for c in admitted if _chunks_agree(c, in_layouts, out_meta)]
     if rule.admit is not None:
         admitted = [c for c in admitted if rule.admit(in_layouts, [lay.with_sbp(nd) for lay, nd in zip(in_layouts,
                                                                                                        c.inputs)])]
@@ -87,13 +94,50 @@ def blocked_variants(rule, per_axis, counts, meta_args, meta_kwargs) -> list:
     return [Signature(blocked(c.inputs, f), blocked(c.outputs, f)) for f in counts for c in plain]
 
 
+def head_tail_variants(rule, per_axis, counts, meta_args, meta_kwargs) -> list:
+    """The candidates that hold in any order of a split dim's indices (``rule.head_tail``, or else
+    ``rule.blocked``, and the rule's own blocked ones) in head-tail order: their splits as they are,
+    and a plain one's blocked ``f`` ways for each ``f`` in ``counts`` too."""
+    which = rule.head_tail if rule.head_tail is not None else rule.blocked
+    if not which:
+        return []
+    eligible = per_axis if which is True else [as_signature(c) for c in which(*meta_args, **meta_kwargs)]
+    eligible = eligible + [c for c in per_axis if any(v.is_split and v.blocked for v in c.inputs + c.outputs)]
+    turned = lambda vs, f: tuple(Split(v.dim, f or v.blocks, "head_tail") if v.is_split else v for v in vs)
+    out = []
+    for c in eligible:
+        if not any(v.is_split for v in c.inputs + c.outputs):
+            continue
+        out.append(Signature(turned(c.inputs, 0), turned(c.outputs, 0)))
+        if not any(v.is_split and v.blocks > 1 for v in c.inputs + c.outputs):
+            out += [Signature(turned(c.inputs, f), turned(c.outputs, f)) for f in counts if f > 1]
+    return list(dict.fromkeys(out))
+
+
 def _blocks_fit(c, in_layouts, out_meta, placement) -> bool:
-    """Whether every blocked split of the nd-candidate lays out its tensor (sbp/shape.py)."""
+    """Whether every blocked or head-tail split of the nd-candidate lays out its tensor (sbp/shape.py)."""
     hierarchy = placement.hierarchy
     return not any(blocks_problem(shape, hierarchy, nd)
-                   for shape, nd in [(lay.shape, nd) for lay, nd in zip(in_layouts, c.inputs)] +
-                   [(shape, nd) for (shape, _), nd in zip(out_meta, c.outputs)]
-                   if any(v.is_split and v.blocks > 1 for v in nd))
+                   for shape, nd in _shapes_under(c, in_layouts, out_meta)
+                   if any(v.is_split and (v.blocks > 1 or v.head_tail) for v in nd))
+
+
+def _chunks_agree(c, in_layouts, out_meta) -> bool:
+    """Whether every head-tail split of the nd-candidate on one placement axis cuts blocks of one size:
+    then chunk ``i`` holds the same indices of the dim in every tensor (a merge of ``[b, t]`` into
+    ``[b*t]`` keeps ``t``-sized blocks; one of ``[t, h]`` into ``[t*h]`` would not)."""
+    sizes = {}
+    for shape, nd in _shapes_under(c, in_layouts, out_meta):
+        for a, v in enumerate(nd):
+            if v.is_split and v.head_tail and sizes.setdefault(a, shape[v.dim] // v.blocks) != shape[v.dim] // v.blocks:
+                return False
+    return True
+
+
+def _shapes_under(c, in_layouts, out_meta) -> list:
+    """``(shape, nd-SBP)`` of every input and output under the nd-candidate ``c``."""
+    return ([(lay.shape, nd) for lay, nd in zip(in_layouts, c.inputs)] +
+            [(shape, nd) for (shape, _), nd in zip(out_meta, c.outputs)])
 
 
 def pieces_line_up(func, c, in_layouts, out_meta, args, kwargs, positions, rule, placement) -> bool:

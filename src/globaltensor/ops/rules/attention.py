@@ -70,6 +70,20 @@ def _forward_candidates(query, key, value, dropout_p=0.0, is_causal=False, *, at
     return cands
 
 
+def _sequence_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """The forward's candidates that read only the sequence's positions (their ranges), so hold in
+    head-tail order too: ring attention, and the query split."""
+    return [c for c in _forward_candidates(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+            if c.inputs[0] == S(2)]
+
+
+def _sequence_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *,
+                       attn_mask=None, scale=None):
+    """The backward's, as :func:`_sequence_forward`."""
+    return [c for c in _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                                            attn_mask=attn_mask, scale=scale) if c.inputs[1] == S(2)]
+
+
 def _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *,
                          attn_mask=None, scale=None):
     if dropout_p != 0 or not _shapes_ok(query, key, value):
@@ -85,12 +99,13 @@ def _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p=
 
 
 def _causal_rows(query_layout, rank, query, key):
-    """``is_causal`` for the rank's query rows ``[r0, r0 + n)`` as an additive mask, or None
-    when the rank holds every row."""
-    r0, n = query_layout.box(rank)[2]
-    if (r0, n) == (0, query_layout.shape[2]):
+    """``is_causal`` for the rank's query rows (their ranges of the sequence: one, or two under a
+    head-tail split) as an additive mask, or None when the rank holds every row."""
+    ranges = query_layout.segments(rank, 2)
+    if len(ranges) == 1 and ranges[0][2] == query_layout.shape[2]:
         return None
-    rows = torch.arange(r0, r0 + n, device=query.device).unsqueeze(1)
+    rows = torch.cat([torch.arange(r0, r0 + n, device=query.device) for r0, _, n in ranges] or
+                     [torch.zeros(0, dtype=torch.long, device=query.device)]).unsqueeze(1)
     cols = torch.arange(key.shape[2], device=query.device).unsqueeze(0)
     zero = torch.zeros((), dtype=query.dtype, device=query.device)
     return torch.where(cols <= rows, zero, torch.full((), -math.inf, dtype=query.dtype, device=query.device))
@@ -180,6 +195,6 @@ def _keeps_the_work_divided(q_index):
 
 
 register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel, kernel_bytes=_forward_bytes,
-              admit=_keeps_the_work_divided(0))
+              admit=_keeps_the_work_divided(0), head_tail=_sequence_forward)
 register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
-              kernel_bytes=_backward_bytes, admit=_keeps_the_work_divided(1))
+              kernel_bytes=_backward_bytes, admit=_keeps_the_work_divided(1), head_tail=_sequence_backward)

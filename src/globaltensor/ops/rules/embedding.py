@@ -49,9 +49,12 @@ def _local_padding(padding_idx: int, lo: int, n: int) -> int:
 
 
 def _embedding_candidates(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    n = indices.dim()
-    return [sig([B, S(d)], [S(d)]) for d in range(n)] + [
-        sig([S(1), B], [S(n)]), sig([S(0), B], [P]), sig([P, B], [P])]
+    return _ids_split(weight, indices) + [sig([S(1), B], [S(indices.dim())]), sig([S(0), B], [P]), sig([P, B], [P])]
+
+
+def _ids_split(weight, indices, *rest) -> list:
+    """Rows looked up where their ids lie: these hold in any order of the ids (head-tail too)."""
+    return [sig([B, S(d)], [S(d)]) for d in range(indices.dim())]
 
 
 def _embedding_kernel(func, args, kwargs, ins, outs, calls):
@@ -75,13 +78,17 @@ def _embedding_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-register_rule(aten.embedding.default, _embedding_candidates, kernel=_embedding_kernel)
+register_rule(aten.embedding.default, _embedding_candidates, kernel=_embedding_kernel, head_tail=_ids_split)
 
 
 def _dense_backward_candidates(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
-    n = indices.dim()
-    local = [] if scale_grad_by_freq else [sig([S(d), S(d)], [P]) for d in range(n)]
-    return local + [sig([S(n), B], [S(1)]), sig([B, B], [S(0)]), sig([P, B], [P])]
+    local = _rows_scattered(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+    return local + [sig([S(indices.dim()), B], [S(1)]), sig([B, B], [S(0)]), sig([P, B], [P])]
+
+
+def _rows_scattered(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq) -> list:
+    """Each rank's rows scattered into a partial gradient: in any order of the ids (head-tail too)."""
+    return [] if scale_grad_by_freq else [sig([S(d), S(d)], [P]) for d in range(indices.dim())]
 
 
 def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
@@ -103,7 +110,8 @@ def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-register_rule(aten.embedding_dense_backward.default, _dense_backward_candidates, kernel=_dense_backward_kernel)
+register_rule(aten.embedding_dense_backward.default, _dense_backward_candidates, kernel=_dense_backward_kernel,
+              head_tail=_rows_scattered)
 
 
 def _renorm_kernel(func, args, kwargs, ins, outs, calls):

@@ -17,8 +17,8 @@ run the aten op on the pieces: it would draw from torch's generator, different o
 (broadcast replicas that differ) and blind to where a piece lies. They run through a
 ``kernel`` drawing from the sharding-invariant generator (ops/rng.py) exactly as
 ``gt.rand`` / ``gt.randn`` do: one counter reservation per call, in every process, and each
-rank hashes only the positions of its own piece's box -- so ``torch.rand_like(x)`` is the
-same logical tensor as ``gt.rand(*x.shape, ...)`` after the same seed, for any layout of ``x``
+rank hashes only the positions of its own piece (its box, or a head-tail piece's chunks) -- so
+``torch.rand_like(x)`` is the same logical tensor as ``gt.rand(*x.shape, ...)`` after the same seed, for any layout of ``x``
 (``randint_like`` floors ``low + u * (high - low)`` from 53-bit uniforms). A ``generator=`` argument is not supported (its overload has no rule).
 
 ``scalar_tensor`` takes no tensor, so it never reaches the dispatcher of global tensors.
@@ -52,13 +52,13 @@ def _random_like(draw):
         for s in layout.shape:
             n *= s
         offset = rng.next_offset(max(1, n))   # as the factories reserve, so rand_like(x) == gt.rand(x.shape)
-        return {r: draw(rng.positions(layout.shape, layout.box(r), a[0].device), offset, layout.dtype)
+        return {r: draw(rng.piece_positions(layout, r, a[0].device), offset, layout.dtype)
                 for r, (a, kw) in calls.items()}
     return kernel
 
 
-register_rule(aten.rand_like.default, _like(partial_stays=False), kernel=_random_like(rng.uniform))
-register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_random_like(rng.normal))
+register_rule(aten.rand_like.default, _like(partial_stays=False), kernel=_random_like(rng.uniform), head_tail=True)
+register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_random_like(rng.normal), head_tail=True)
 
 
 def _randint_like(func, args, kwargs, ins, outs, calls):
@@ -72,7 +72,7 @@ def _randint_like(func, args, kwargs, ins, outs, calls):
 
 
 register_rule([aten.randint_like.default, aten.randint_like.low_dtype], _like(partial_stays=False),
-              kernel=_randint_like)
+              kernel=_randint_like, head_tail=True)
 
 
 def _new(op):
@@ -94,4 +94,4 @@ def _new(op):
 for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
             aten.new_empty_strided.default):
     _rule, _local = _new(_op)
-    register_rule(_op, _rule, local=_local)
+    register_rule(_op, _rule, local=_local, head_tail=True)

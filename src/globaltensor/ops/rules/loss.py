@@ -130,7 +130,7 @@ def _class_slice(x_layout, rank):
     """(c0, m): the classes of ``rank``'s piece of ``x``, or None when it holds all of them."""
     if len(x_layout.shape) < 2:
         return None
-    c0, m = x_layout.block_boxes(rank)[0][1][1]      # the same classes in every block of a blocked row split
+    c0, m = x_layout.cells(rank)[0][0][1]      # the same classes in every box of a blocked or head-tail row split
     return None if (c0, m) == (0, x_layout.shape[1]) else (c0, m)
 
 
@@ -151,7 +151,7 @@ def _nll_forward_kernel(func, args, kwargs, ins, outs, calls):
         rows = target if aligned else _cut(target, t_layout.box(r), x_layout.box(r),
                                            [(td, d) for d, td in _row_dims(x)])
         if weight is not None:
-            weight = _cut(weight, w_layout.box(r), x_layout.block_boxes(r)[0][1], [(0, 1)])
+            weight = _cut(weight, w_layout.box(r), x_layout.cells(r)[0][0], [(0, 1)])
         classes = _class_slice(x_layout, r)
         local_t, local_ignore = rows, ignore_index
         if classes is not None:
@@ -200,7 +200,7 @@ def _nll_backward_local(rank, ins, outs, *args, **kwargs):
     n["target"] = _local_targets(n["target"], n["ignore_index"], *classes)
     n["ignore_index"] = _LOCAL_IGNORE
     if n["weight"] is not None:
-        n["weight"] = _cut(n["weight"], ins[3].box(rank), x_layout.block_boxes(rank)[0][1], [(0, 1)])
+        n["weight"] = _cut(n["weight"], ins[3].box(rank), x_layout.cells(rank)[0][0], [(0, 1)])
     return call_args(func, n)
 
 
@@ -209,9 +209,9 @@ def _blocked_rows_aligned(sources, targets) -> bool:
     kernel takes the target as it lies, piece for piece: its rows must be split as ``x``'s are (a
     blocked piece is no box to cut a broadcast target's rows by)."""
     x, target = targets[0], targets[1]
-    if not x.blocked:
+    if not (x.blocked or x.head_tail):
         return True
-    rows = tuple(Split(0 if v.dim == 0 else v.dim - 1, v.blocks) if v.is_split and v.dim != 1 else B
+    rows = tuple(Split(0 if v.dim == 0 else v.dim - 1, v.blocks, v.order) if v.is_split and v.dim != 1 else B
                  for v in x.nd_sbp)
     return target.nd_sbp == rows
 

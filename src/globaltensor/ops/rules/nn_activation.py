@@ -22,8 +22,8 @@ tanh_backward, sigmoid_backward) are registered in pointwise.py.
 Dropout draws its mask from the sharding-invariant generator (ops/rng.py): element ``i``
 (row-major in the logical tensor) is kept when ``uniform(seed, offset + i) < 1 - p``, so the
 logical mask is the same for every placement, SBP and number of ranks, and each rank hashes
-only the positions of its own piece's box. On CUDA ``F.dropout`` reaches ``native_dropout``;
-on CPU it reaches ``empty_like(x).bernoulli_(1 - p)``, ``div_`` and ``mul`` -- both paths
+only the positions of its own piece (its box, or a head-tail piece's chunks). On CUDA ``F.dropout``
+reaches ``native_dropout``; on CPU it reaches ``empty_like(x).bernoulli_(1 - p)``, ``div_`` and ``mul`` -- both paths
 draw the same mask for the same seed. A rule's candidates cannot draw random numbers (the
 aten op on a piece would use torch's generator, different on every rank and blind to the
 piece's place), so these ops run through a ``kernel``: it is called once per call, reserves
@@ -96,7 +96,7 @@ register_rule(aten.native_group_norm_backward.default, _group_norm_backward,
 
 def _uniform(layout, rank, offset, device) -> torch.Tensor:
     """U[0, 1) (float32, 24 bits) for the elements of ``rank``'s piece of ``layout``."""
-    return rng.uniform(rng.positions(layout.shape, layout.box(rank), device), offset, torch.float32)
+    return rng.uniform(rng.piece_positions(layout, rank, device), offset, torch.float32)
 
 
 def _native_dropout_candidates(input, p, train):
@@ -120,10 +120,10 @@ def _native_dropout_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-register_rule(aten.native_dropout.default, _native_dropout_candidates, kernel=_native_dropout_kernel)
+register_rule(aten.native_dropout.default, _native_dropout_candidates, kernel=_native_dropout_kernel, head_tail=True)
 
 
-@register_rule(aten.native_dropout_backward.default)
+@register_rule(aten.native_dropout_backward.default, head_tail=True)
 def _native_dropout_backward(grad_output, mask, scale):
     return pointwise_candidates([grad_output, mask], grad_output.dim(), tuple(grad_output.shape)) + [
         sig([P, B], [P])]
@@ -159,6 +159,7 @@ def _probability_tensor(self, p, *args, **kwargs):
     return pointwise_candidates([self, p], self.dim(), tuple(self.shape))
 
 
-register_rule([aten.bernoulli.p, aten.bernoulli_.float], _values_unused, kernel=_bernoulli_kernel)
-register_rule(aten.bernoulli.default, _values_kept, kernel=_bernoulli_kernel)
-register_rule([aten.bernoulli.Tensor, aten.bernoulli_.Tensor], _probability_tensor, kernel=_bernoulli_kernel)
+register_rule([aten.bernoulli.p, aten.bernoulli_.float], _values_unused, kernel=_bernoulli_kernel, head_tail=True)
+register_rule(aten.bernoulli.default, _values_kept, kernel=_bernoulli_kernel, head_tail=True)
+register_rule([aten.bernoulli.Tensor, aten.bernoulli_.Tensor], _probability_tensor, kernel=_bernoulli_kernel,
+              head_tail=True)

@@ -51,18 +51,41 @@ def ring_bytes(key: Layout, value: Layout, backward: bool) -> int:
     return most
 
 
-def _rows(layout: Layout, rank: int) -> Tuple[int, int]:
-    return layout.box(rank)[2]
+def _rows(layout: Layout, rank: int) -> tuple:
+    """``(start in the sequence, start in the piece, length)`` of each range of the sequence dim the
+    rank holds: one for a plain split, two for a head-tail one (``S(2, order="head_tail")``)."""
+    return layout.segments(rank, 2)
+
+
+def _pairs(q_layout: Layout, k_layout: Layout, rank: int, owner: int, causal: bool) -> list:
+    """``(query range, key range)`` of every pair of ``rank``'s query rows and ``owner``'s key block
+    that attends: not empty and, under the causal mask, not wholly after the rows."""
+    return [(q, k) for q in _rows(q_layout, rank) for k in _rows(k_layout, owner)
+            if q[2] and k[2] and not (causal and k[0] > q[0] + q[2] - 1)]
+
+
+def attention_work(q_layout: Layout, k_layout: Layout, causal: bool) -> Dict[int, int]:
+    """``{rank: query-key scores}`` its ring attention computes per (batch, head), as the kernel runs
+    it: a pair of ranges starting together under the causal mask is the kernel's ``is_causal`` (its
+    lower triangle), any other kept pair all its rows x keys. Plain ``S(2)`` under the causal mask
+    gives the last rank ``2W - 1`` times the first's; head-tail gives every rank the same."""
+    work = {}
+    for group in axis_groups(q_layout.placement, tuple(seq_axes(q_layout))):
+        for r in group:
+            work[r] = sum(q[2] * (q[2] + 1) // 2 if causal and q[0] == k[0] else q[2] * k[2]
+                          for owner in group for q, k in _pairs(q_layout, k_layout, r, owner, causal))
+    return work
 
 
 def _block_mask(q_rows, k_cols, causal, like, mask=None):
-    """``(additive mask or None, rows that see nothing or None, is_causal)`` of one (query rows, key
-    block) pair that :func:`_skipped` keeps; ``mask``: the explicit mask's piece, holding the rank's
-    query rows. A block starting at the rows' first position (a rank's own block) is the kernel's
-    own ``is_causal`` -- no mask of rows x keys is made."""
-    (r0, n), (c0, m) = q_rows, k_cols
+    """``(additive mask or None, rows that see nothing or None, is_causal)`` of one (query range, key
+    range) pair that :func:`_pairs` keeps (``(start, _, length)`` each); ``mask``: the explicit mask's
+    piece, holding the rank's query rows. A key range starting at the rows' first position (the
+    rank's own chunk) is the kernel's own ``is_causal`` -- no mask of rows x keys is made."""
+    (r0, p0, n), (c0, _, m) = q_rows, k_cols
     if mask is not None:
-        block = mask if mask.shape[-1] == 1 else mask.narrow(-1, c0, m)
+        rows = mask if mask.dim() < 2 or mask.shape[-2] == 1 else mask.narrow(-2, p0, n)
+        block = rows if rows.shape[-1] == 1 else rows.narrow(-1, c0, m)
         return block, (block == -math.inf).all(-1), False
     if not causal or c0 + m - 1 <= r0:
         return None, None, False
@@ -112,38 +135,50 @@ def _groups(layout: Layout) -> list:
     return [g for g in axis_groups(layout.placement, tuple(seq_axes(layout))) if any(world.holds(r) for r in g)]
 
 
+def _part(t: torch.Tensor, where: tuple) -> torch.Tensor:
+    """The piece's part along the sequence dim at ``(_, start in the piece, length)``."""
+    return t if where[1] == 0 and where[2] == t.shape[2] else t.narrow(2, where[1], where[2])
+
+
 def ring_forward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale) -> dict:
-    """``{rank: (out, logsumexp)}``: each held rank's query rows attended over every block."""
+    """``{rank: (out, logsumexp)}``: each held rank's query rows attended over every block, range by
+    range of its rows (two for a head-tail split), merged by log-sum-exp."""
     q_layout, k_layout, v_layout = ins[0], ins[1], ins[2]
     qs = {r: n["query"] for r, n in n_by_rank.items()}
     steps = _rotations(_groups(k_layout), k_layout, v_layout, {r: n["key"] for r, n in n_by_rank.items()},
                        {r: n["value"] for r, n in n_by_rank.items()})
-    out: Dict[int, torch.Tensor] = {}
-    lse: Dict[int, torch.Tensor] = {}
+    merged: Dict[Tuple[int, int], tuple] = {}          # (rank, query range's piece start) -> (out, lse)
     for step in steps:
         for r, (owner, k, v) in step.items():
-            if _skipped(q_layout, k_layout, r, owner, causal):
-                continue
-            q = qs[r]
-            block_mask, blind, own = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, q,
-                                                 n_by_rank[r]["attn_mask"])
-            o, l = func(q, k, v, 0.0, own, attn_mask=block_mask, scale=scale)
-            if blind is not None:
-                o = o.masked_fill(blind.unsqueeze(-1), 0.0)
-                l = l.masked_fill(blind, -math.inf)
-            if r not in out:
-                out[r], lse[r] = o, l
-                continue
-            total = torch.logaddexp(lse[r], l)
-            keep, add = torch.exp(lse[r] - total), torch.exp(l - total)
-            out[r] = out[r] * keep.nan_to_num(0.0).unsqueeze(-1).to(o.dtype) + \
-                o * add.nan_to_num(0.0).unsqueeze(-1).to(o.dtype)
-            lse[r] = total
-    for r, q in qs.items():                    # no block seen (no query rows here)
-        if r not in out:
-            out[r] = q.new_zeros(q.shape[:-1] + (n_by_rank[r]["value"].shape[-1],))
-            lse[r] = q.new_full(q.shape[:-1], -math.inf)
-    return {r: (out[r], lse[r]) for r in qs}
+            for rows, cols in _pairs(q_layout, k_layout, r, owner, causal):
+                q = _part(qs[r], rows)
+                block_mask, blind, own = _block_mask(rows, cols, causal, q, n_by_rank[r]["attn_mask"])
+                o, l = func(q, _part(k, cols), _part(v, cols), 0.0, own, attn_mask=block_mask, scale=scale)
+                if blind is not None:
+                    o = o.masked_fill(blind.unsqueeze(-1), 0.0)
+                    l = l.masked_fill(blind, -math.inf)
+                key = (r, rows[1])
+                merged[key] = (o, l) if key not in merged else _merge(*merged[key], o, l)
+    out = {}
+    for r, q in qs.items():
+        parts = [merged.get((r, rows[1])) or _nothing_seen(_part(q, rows), n_by_rank[r]["value"])
+                 for rows in _rows(q_layout, r) if rows[2]] or [_nothing_seen(q, n_by_rank[r]["value"])]
+        out[r] = (parts[0] if len(parts) == 1 else
+                  (torch.cat([o for o, _ in parts], 2), torch.cat([l for _, l in parts], 2)))
+    return out
+
+
+def _merge(out, lse, o, l):
+    """Two partial attentions of the same rows merged by their log-sum-exps."""
+    total = torch.logaddexp(lse, l)
+    keep, add = torch.exp(lse - total), torch.exp(l - total)
+    return (out * keep.nan_to_num(0.0).unsqueeze(-1).to(o.dtype) + o * add.nan_to_num(0.0).unsqueeze(-1).to(o.dtype),
+            total)
+
+
+def _nothing_seen(q, value):
+    """Rows that saw no block (no keys before them, or no rows): zero output, log-sum-exp -inf."""
+    return q.new_zeros(q.shape[:-1] + (value.shape[-1],)), q.new_full(q.shape[:-1], -math.inf)
 
 
 def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale) -> dict:
@@ -157,15 +192,17 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
     shares: Dict[Tuple[int, int], tuple] = {}               # (rank, owner) -> (grad_k, grad_v) share
     for step in steps:
         for r, (owner, k, v) in step.items():
-            if _skipped(q_layout, k_layout, r, owner, causal):
-                continue
             n = n_by_rank[r]
-            block_mask, _, own = _block_mask(_rows(q_layout, r), _rows(k_layout, owner), causal, n["query"],
-                                             n["attn_mask"])
-            gq, gk, gv = func(n["grad_out"], n["query"], k, v, n["out"], n["logsumexp"], 0.0, own,
-                              attn_mask=block_mask, scale=scale)
-            dq[r] = dq[r] + gq
-            shares[r, owner] = (gk, gv)
+            for rows, cols in _pairs(q_layout, k_layout, r, owner, causal):
+                block_mask, _, own = _block_mask(rows, cols, causal, n["query"], n["attn_mask"])
+                gq, gk, gv = func(_part(n["grad_out"], rows), _part(n["query"], rows), _part(k, cols),
+                                  _part(v, cols), _part(n["out"], rows), _part(n["logsumexp"], rows), 0.0, own,
+                                  attn_mask=block_mask, scale=scale)
+                _part(dq[r], rows).add_(gq)
+                if (r, owner) not in shares:
+                    shares[r, owner] = (torch.zeros_like(k), torch.zeros_like(v))
+                _part(shares[r, owner][0], cols).add_(gk)
+                _part(shares[r, owner][1], cols).add_(gv)
     dk = {r: torch.zeros_like(n["key"]) for r, n in n_by_rank.items()}
     dv = {r: torch.zeros_like(n["value"]) for r, n in n_by_rank.items()}
     transfers, payload, targets = [], {}, []
@@ -195,7 +232,5 @@ def ring_backward(func, n_by_rank: dict, ins: List[Layout], causal: bool, scale)
 
 
 def _skipped(q_layout: Layout, k_layout: Layout, rank: int, owner: int, causal: bool) -> bool:
-    """Whether ``rank``'s query rows see nothing of ``owner``'s key block: an empty piece, or, under the
-    causal mask, a block wholly after the rows (skipped: no compute, no gradient share)."""
-    (r0, n), (c0, m) = _rows(q_layout, rank), _rows(k_layout, owner)
-    return n == 0 or m == 0 or (causal and c0 > r0 + n - 1)
+    """Whether ``rank``'s query rows see nothing of ``owner``'s key block (no compute, no gradient share)."""
+    return not _pairs(q_layout, k_layout, rank, owner, causal)

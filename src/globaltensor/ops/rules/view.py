@@ -261,7 +261,8 @@ def _split_local(rank, ins, outs, x, sizes, dim=0):
     return (x, parts if isinstance(sizes, (list, tuple)) else parts[0], dim), {}
 
 
-register_rule([aten.split.Tensor, aten.split_with_sizes.default], _split, local=_split_local, blocked=True)
+register_rule([aten.split.Tensor, aten.split_with_sizes.default], _split, local=_split_local, blocked=True,
+              check_shapes=True)      # a rank whose parts of the blocks are empty cuts no parts
 
 
 @register_rule(aten.unbind.int, blocked=True)

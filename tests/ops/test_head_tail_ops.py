@@ -1,0 +1,110 @@
+"""Ops on head-tail splits (``S(d, order="head_tail")``: rank ``r`` of ``W`` holds chunks ``r`` and
+``2W - 1 - r``), against one device (float64; 1e-12 relative: the same sums in another order).
+
+Every rule that keeps a split dim's indices where they were (``blocked``) holds in head-tail order
+too, blocked or not; each candidate is forced on its own on 1-D and 2x2 placements. Then the pieces
+a GPT needs, end to end: embedding, position embeddings, norms, linears, causal attention (ring),
+and the loss, with only the ring's blocks and the loss's scalar moving."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.sbp import broadcast as B, split as S
+from harness import check_candidates
+from test_blocked_ops import BLOCKED_RULE_CASES
+
+TOL = dict(rtol=1e-12, atol=1e-12)
+aten = torch.ops.aten
+
+
+def HT(d: int, f: int = 1):
+    return S(d, blocks=f, order="head_tail")
+
+
+def _t(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+_ids = torch.randint(0, 10, (2, 16))
+HEAD_TAIL_RULE_CASES = BLOCKED_RULE_CASES + [
+    (aten.embedding.default, (_t(10, 4), _ids), {}),
+    (aten.embedding_dense_backward.default, (_t(2, 16, 4), _ids, 10, -1, False), {}),
+    (aten._log_softmax.default, (_t(16, 10), 1, False), {}),
+    (aten.nll_loss_forward.default, (_t(16, 10).log_softmax(1), torch.randint(0, 10, (16,)), None, 1, -100), {}),
+    (aten.gelu.default, (_t(4, 16),), {}),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs", HEAD_TAIL_RULE_CASES, ids=[str(c[0]) for c in HEAD_TAIL_RULE_CASES])
+def test_every_index_keeping_rule_holds_in_head_tail_order(op, args, kwargs):
+    """Each candidate of a rule declaring ``blocked`` (or ``head_tail``), in head-tail order and
+    also blocked 2 ways, forced on its own, gives one device's values in its layouts."""
+    ran = sum(check_candidates(op, *args, blocks=f, head_tail=True, rtol=1e-12, atol=1e-12, **kwargs) for f in (1, 2))
+    assert ran > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_sequence_candidates_hold_in_head_tail_order(causal):
+    """Ring attention and the query split, with q (and k, v) split head-tail, forward and backward."""
+    fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu.default, \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    q, k, v = _t(2, 2, 16, 4), _t(2, 2, 16, 4), _t(2, 2, 16, 4)
+    assert check_candidates(fwd, q, k, v, 0.0, causal, head_tail=True, **TOL) > 0
+    out, lse = fwd(q, k, v, 0.0, causal)
+    assert check_candidates(bwd, torch.randn_like(out), q, k, v, out, lse, 0.0, causal, head_tail=True, **TOL) > 0
+
+
+def test_a_flattened_head_tail_split_is_blocked_head_tail_and_unflattens(world4):
+    """``[b, t] -> [b*t]`` keeps each sequence's chunks as blocks; ``[t, h] -> [t*h]`` would not (its
+    chunks are of other sizes), so that view boxes first -- and both equal one device."""
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    x = _t(2, 16, 6)
+    g = gt.distribute(x, p, HT(1))
+    merged = g.reshape(32, 6)
+    assert merged.sbp == (HT(0, 2),)
+    back = (merged * 2).view(2, 16, 6)
+    assert back.sbp == (HT(1),)
+    torch.testing.assert_close(back.full_tensor(), x * 2, **TOL)
+    heads = gt.distribute(x.transpose(0, 1).contiguous(), p, HT(0)).reshape(32, 6)
+    assert heads.sbp != (HT(0),)
+    torch.testing.assert_close(heads.full_tensor(), x.transpose(0, 1).reshape(32, 6), **TOL)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_on_head_tail_logits_stays_local(world4, reduction, smoothing):
+    """Sequence-split logits flattened to rows, ``ignore_index`` among the targets: the loss and the
+    logits' gradient equal one device; only scalars are all-reduced (the mean's count, label
+    smoothing's sums: a float64 scalar's ring all-reduce sends at most 16 bytes), no logits move."""
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    logits, targets = _t(2, 16, 10), torch.randint(0, 10, (2, 16))
+    targets[0, 3] = targets[1, 15] = -100
+    leaf = logits.clone().requires_grad_()
+    want = F.cross_entropy(leaf.view(-1, 10), targets.view(-1), reduction=reduction, label_smoothing=smoothing)
+    want.sum().backward()
+    g = gt.distribute(logits, p, HT(1)).requires_grad_()
+    with gt.comm_stats() as stats:
+        got = F.cross_entropy(g.view(-1, 10), gt.distribute(targets, p, HT(1)).view(-1), reduction=reduction,
+                              label_smoothing=smoothing)
+        got.sum().backward()
+    assert set(stats.ops()) <= {"all_reduce"} and stats.bytes_sent <= 16 * stats.count, (stats.ops(), stats.bytes_sent)
+    torch.testing.assert_close(got.full_tensor(), want.detach(), **TOL)
+    assert g.grad.sbp == (HT(1),)
+    torch.testing.assert_close(g.grad.full_tensor(), leaf.grad, **TOL)
+
+
+@pytest.mark.parametrize("draw", ["dropout", "rand_like", "randn_like", "bernoulli"])
+def test_random_ops_draw_by_position_on_head_tail_pieces(world4, draw):
+    """A random op on a head-tail tensor keeps the split and draws, element by element, what it draws
+    on the whole tensor after the same seed (each rank hashes its chunks' positions)."""
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    fns = {"dropout": lambda x: F.dropout(x, 0.5), "rand_like": torch.rand_like, "randn_like": torch.randn_like,
+           "bernoulli": lambda x: torch.bernoulli(x * 0.5)}
+    x = torch.ones(2, 13, 3, dtype=torch.float64)
+    gt.manual_seed(7)
+    got = fns[draw](gt.distribute(x, p, HT(1)))
+    gt.manual_seed(7)
+    want = fns[draw](gt.distribute(x, p, B))
+    assert got.sbp == (HT(1),)
+    assert torch.equal(got.full_tensor(), want.full_tensor())
