@@ -1,5 +1,5 @@
-"""The GPT training step on one GPU: plain torch, DTensor, globaltensor eager and compiled, and plain
-and global under torch.compile (needs CUDA).
+"""The GPT training step on one GPU: plain torch, DTensor, globaltensor eager, compiled, and compiled
+with CUDA graphs, and plain and global under torch.compile (needs CUDA).
 
     .venv/bin/python benchmarks/gpu.py [--quick]
 
@@ -19,7 +19,7 @@ import sys
 import _harness as H
 
 SIZES = {"n_embd 256, 4 layers, batch 8x128": (256, 4, 8, 128), "n_embd 1024, 8 layers, batch 8x512": (1024, 8, 8, 512)}
-LARGE = "n_embd 1024, 8 layers, batch 8x512"
+SMALL, LARGE = "n_embd 256, 4 layers, batch 8x128", "n_embd 1024, 8 layers, batch 8x512"
 
 
 def _worker(rank: int, world: int, quick: bool):
@@ -43,17 +43,18 @@ def _worker(rank: int, world: int, quick: bool):
         base = GPT(cfg).to(device)
         idx = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
         # tc_plain / tc_gt: the loss compiled with torch.compile (Inductor), the optimizer eager
-        models = {k: GPT(cfg).to(device) for k in ("dt", "gt", "gtc", "tc_plain", "tc_gt")}
+        models = {k: GPT(cfg).to(device) for k in ("dt", "gt", "gtc", "gtg", "tc_plain", "tc_gt")}
         models = {"plain": base, **models}
         for m in list(models.values())[1:]:
             m.load_state_dict(base.state_dict())
         distribute_module(models["dt"], mesh)                     # every parameter Replicate()
-        for name in ("gt", "gtc", "tc_gt"):
+        for name in ("gt", "gtc", "gtg", "tc_gt"):
             gt.nn.distribute_module(models[name], placement)
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         dt_idx = distribute_tensor(idx, mesh, [Replicate()])
         gt_idx = gt.distribute(idx, placement, gt.sbp.broadcast)
-        inputs = {"plain": idx, "dt": dt_idx, "gt": gt_idx, "gtc": gt_idx, "tc_plain": idx, "tc_gt": gt_idx}
+        inputs = {"plain": idx, "dt": dt_idx, "gt": gt_idx, "gtc": gt_idx, "gtg": gt_idx, "tc_plain": idx,
+                  "tc_gt": gt_idx}
         losses = {k: torch.compile(m.loss) if k.startswith("tc_") else m.loss for k, m in models.items()}
 
         def fwd_bwd(k):
@@ -69,6 +70,7 @@ def _worker(rank: int, world: int, quick: bool):
             return step
         steps = {k: step_fn(k) for k in models}
         steps["gtc"] = gt.compile(steps["gtc"])
+        steps["gtg"] = gt.compile(steps["gtg"], cuda_graphs=True)      # gtg: compiled, CUDA graphs replayed
 
         def synced(fn):
             def run():
@@ -91,12 +93,13 @@ def report(res) -> None:
         return
     rows, parts = [], []
     for label, t in res["rows"].items():
-        rows.append([label, H.fmt(t["plain"]), H.fmt(t["dt"]), H.fmt(t["gt"]), H.fmt(t["gtc"]),
-                     H.ratio(t["gt"], t["dt"]), H.ratio(t["gtc"], t["plain"])])
+        rows.append([label, H.fmt(t["plain"]), H.fmt(t["dt"]), H.fmt(t["gt"]), H.fmt(t["gtc"]), H.fmt(t["gtg"]),
+                     H.ratio(t["gt"], t["dt"]), H.ratio(t["gtc"], t["plain"]), H.ratio(t["gtg"], t["plain"])])
         parts.append([label, H.fmt(t["plain fwd+bwd"]), H.fmt(t["gt fwd+bwd"]), H.fmt(t["plain step"]),
                       H.fmt(t["gt step"]), H.ratio(t["gt step"], t["plain step"])])
-    print(H.table(["GPT", "plain ms", "DTensor ms", "gt eager ms", "gt compiled ms", "gt eager / DTensor",
-                   "compiled / plain"], rows, f"## GPT step with AdamW on {res['device']}, a 1-rank placement"))
+    print(H.table(["GPT", "plain ms", "DTensor ms", "gt eager ms", "gt compiled ms", "gt CUDA graphs ms",
+                   "gt eager / DTensor", "compiled / plain", "CUDA graphs / plain"], rows,
+                  f"## GPT step with AdamW on {res['device']}, a 1-rank placement"))
     print(H.table(["GPT", "plain fwd+bwd", "gt fwd+bwd", "plain AdamW step", "gt AdamW step", "gt / plain step"],
                   parts, "## forward + backward and the optimizer's step"))
     compiled = [[label, H.fmt(t["tc_plain"]), H.fmt(t["tc_gt"]), H.ratio(t["tc_gt"], t["tc_plain"]),
@@ -112,6 +115,7 @@ GOALS = {
     "gt eager step <= DTensor's": ("gt", "dt", tuple(SIZES), 1.0),
     "gt AdamW step <= 1.2x plain torch's": ("gt step", "plain step", tuple(SIZES), 1.2),
     "gt compiled step <= 1.05x plain torch at n_embd 1024": ("gtc", "plain", (LARGE,), 1.05),
+    "gt compiled with CUDA graphs <= 0.7x plain torch eager at n_embd 256": ("gtg", "plain", (SMALL,), 0.7),
     "torch.compile global step <= 1.05x torch.compile plain": ("tc_gt", "tc_plain", tuple(SIZES), 1.05),
 }
 

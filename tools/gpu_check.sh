@@ -3,8 +3,8 @@
 #     OUT=/path/to/out tools/gpu_check.sh      (OUT defaults to ./gpu-check-out)
 # on the machine's own python3 (torch with CUDA, pytest; no network) with PYTHONPATH=src. In order:
 #   1. the CUDA lane (tests/cuda), which holds the launched NCCL job that compiles a graph and must exit 0;
-#   2. benchmarks/gpu.py --quick: plain, DTensor, gt eager, gt compiled, torch.compile plain and global, at both
-#      sizes, with the forward+backward / optimizer split;
+#   2. benchmarks/gpu.py --quick: plain, DTensor, gt eager, gt compiled (with and without CUDA graphs),
+#      torch.compile plain and global, at both sizes, with the forward+backward / optimizer split;
 #   3. one VERDICT line per goal, also in $OUT/verdicts.txt.
 # Each part has a time limit, so that the whole fits in about 6 minutes and a fix and a rerun fit in the
 # session's 15. Tables and logs go to $OUT.

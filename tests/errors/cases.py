@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import types
+from unittest import mock
 
 import torch
 from torch import nn
@@ -203,6 +204,16 @@ def _compiled(fn, *args, **options):
     for _ in range(3):
         g(*args)
     return g
+
+
+def _cuda_graphs_where(gpu: bool, graphs: bool = True):
+    """A compiled CPU step with ``cuda_graphs=True`` as torch would be with or without a GPU, and with
+    or without CUDA graph support."""
+    with mock.patch.dict(torch.cuda.__dict__):          # restored whole afterwards
+        torch.cuda.is_available = lambda: gpu
+        if not graphs:
+            del torch.cuda.CUDAGraph
+        _compiled(lambda x: x * 2, x84(), cuda_graphs=True)
 
 
 def _graph_error():
@@ -445,6 +456,10 @@ CASES = {
     "compile-streams": lambda: gt.compile(lambda x: x, streams="fast"),
     "compile-argument": lambda: gt.compile(lambda x, y: x)(x84(), {"a": [1]}.keys()),
     "compile-bucket-bytes": lambda: gt.compile(lambda x: x, bucket_bytes=-1),
+    "compile-cuda-graphs-type": lambda: gt.compile(lambda x: x, cuda_graphs="yes"),
+    "compile-cuda-graphs-no-gpu": lambda: _cuda_graphs_where(gpu=False),
+    "compile-cuda-graphs-unsupported": lambda: _cuda_graphs_where(gpu=True, graphs=False),
+    "compile-cuda-graphs-nothing-to-capture": lambda: _cuda_graphs_where(gpu=True),
     "compile-nothing-captured": lambda: gt.compile(lambda x: x).plan,
     "compile-no-timeline": lambda: _compiled(lambda x: x * 2, x84()).trace_to("trace.json"),
     "compile-register-count": lambda: _compiled(lambda x: x * 2, x84(), registers=lambda task: 0),

@@ -30,7 +30,6 @@ PROCESS_ENTRIES = {
     "to-dtensor-mesh-differs": [0, 1],
     "from-dtensor-placement": [0, 1],
     "from-dtensor-shard-order": [0, 1],
-    "compile-send-recv": [0, 1],
     "collective-did-not-arrive": [0],
     # the ranks whose local rank has no GPU of its own: both on a machine without CUDA
     "process-cuda-devices": [r for r in (0, 1) if r >= (torch.cuda.device_count() if torch.cuda.is_available() else 0)],

@@ -27,11 +27,13 @@ from ..ops import rng
 from ..ops.schema.args import SCALARS
 from ..tensor import GlobalTensor
 from .capture import capture
+from .cuda_graphs import graph_backend
 from .inspect import PlanView, chrome_trace, dot
 from .lower import lower
 from .program import Program
 from .optim import capturable_optimizers, hyper_parameters
 from .runtime import Runtime
+from .segments import plan_segments
 
 
 
@@ -115,6 +117,11 @@ class _Graph:
         return ref[1]
 
 
+def _own(value):
+    """A result of a graph run as the caller's own tensor (a copy of a captured segment's static output)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def _close_all(graphs: dict) -> None:
     """End the stream threads of every graph (the end-of-data message) when the function goes away."""
     for graph in graphs.values():
@@ -126,7 +133,8 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1,
                  bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,
-                 measure_memory: bool = False, streams: Union[None, str, Callable] = None):
+                 measure_memory: bool = False, streams: Union[None, str, Callable] = None,
+                 cuda_graphs: bool = False):
         if not callable(fn):
             raise TypeError(f"gt.compile: expected a function or an nn.Module, got {type(fn).__name__}")
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -136,6 +144,8 @@ class CompiledFunction:
             raise ValueError(f"gt.compile(registers=): expected a register count >= 1, got {registers!r}")
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"gt.compile(warmup=): expected a non-negative int, got {warmup!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"gt.compile(cuda_graphs=): expected True or False, got {cuda_graphs!r}")
         GradBuckets(bucket_bytes)           # validates
         if streams not in (None, "shared", "device", "rank") and not callable(streams):
             raise ValueError(f"gt.compile(streams=): expected None, 'shared', 'device', 'rank' or a function of a "
@@ -143,6 +153,7 @@ class CompiledFunction:
         self.fn, self.registers, self.micro_batches = fn, registers, micro_batches
         self.bucket_bytes, self.warmup = bucket_bytes, warmup
         self.timeline, self.measure_memory, self.streams = timeline, measure_memory, streams
+        self.cuda_graphs = cuda_graphs
         self._graphs: dict = {}
         self._warm: dict = {}
         self._last: Optional[_Graph] = None
@@ -220,11 +231,13 @@ class CompiledFunction:
 
     def _finish(self, graph: _Graph, row: list, feed: list, leaves: list):
         out_leaves = []
+        own = graph.runtime.graphs.segments      # CUDA graphs: a result is a static buffer, written again later
+        value = (lambda s: _own(graph.value(row, feed, s))) if own else (lambda s: graph.value(row, feed, s))
         for out, slots in graph.outputs:
             if out.kind == "global":
-                out_leaves.append(GlobalTensor(out.layout, {r: graph.value(row, feed, s) for r, s in slots.items()}))
+                out_leaves.append(GlobalTensor(out.layout, {r: value(s) for r, s in slots.items()}))
             elif out.kind == "plain":
-                out_leaves.append(graph.value(row, feed, slots[None]))
+                out_leaves.append(value(slots[None]))
             else:
                 out_leaves.append(out.value)
         for wref, r, s in graph.rebinds:
@@ -253,7 +266,20 @@ class CompiledFunction:
         world = get_world()
         program = lower(cap, micro_batches=m, registers=self.registers,
                         collective_rank=None if world.simulated else world.rank, streams=self.streams)
-        runtime = Runtime(program, timeline=self.timeline, measure_memory=self.measure_memory)
+        backend = None
+        if self.cuda_graphs:
+            backend = graph_backend()
+            backend.check()
+            if self.captures:
+                warnings.warn("gt.compile(cuda_graphs=True): the arguments' shapes or layouts changed; capturing "
+                              "the step and its CUDA graphs again", stacklevel=4)
+        runtime = Runtime(program, timeline=self.timeline, measure_memory=self.measure_memory, graphs=backend)
+        if backend is not None and not runtime.graphs.segments:
+            runtime.close()
+            reasons = sorted({s.reason.split(" (")[0] for s in plan_segments(program, backend.device_type)})
+            raise RuntimeError(f"gt.compile(cuda_graphs=True): no compute task of this step can be captured into a "
+                               f"CUDA graph ({'; '.join(reasons) or 'no compute tasks'}); compile without "
+                               f"cuda_graphs, or place the step's tensors on a CUDA placement")
         graph = _Graph(program, runtime, stepped, cap.rng_consumed, cap.out_spec)
         self.captures += 1
         return graph
@@ -267,7 +293,9 @@ class CompiledFunction:
     @property
     def plan(self) -> PlanView:
         """The task graph of the last graph run: tasks, streams, registers, the registers' memory bound."""
-        return PlanView(self._graph().program)
+        graph = self._graph()
+        backend = graph.runtime.graphs.backend
+        return PlanView(graph.program, backend.device_type if backend is not None else "cuda")
 
     def to_dot(self) -> str:
         """Graphviz text of the task graph, one cluster per rank, coloured by stream."""
@@ -292,7 +320,8 @@ class CompiledFunction:
 
 def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
             bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,
-            measure_memory: bool = False, streams: Union[None, str, Callable] = None) -> CompiledFunction:
+            measure_memory: bool = False, streams: Union[None, str, Callable] = None,
+            cuda_graphs: bool = False) -> CompiledFunction:
     """Capture ``fn`` (a function or an ``nn.Module``) into a static graph run by the actor runtime.
 
     ``registers``: output slots per task (an int, or a function of a task giving its count): how
@@ -303,6 +332,9 @@ def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: in
     one when read). ``warmup``: eager calls before the capture, per argument meta. ``timeline``:
     record each task's firing for ``trace_to`` (two clock reads per task). ``streams``: which
     tasks share a stream (lower.py; by default each rank's own in a process world, each device's in
-    a simulated one -- one stream on the CPU, run on the caller's thread).
+    a simulated one -- one stream on the CPU, run on the caller's thread). ``cuda_graphs``: replay
+    each capturable run of a CUDA stream's tasks from a CUDA graph, captured per register slot
+    (cuda_graphs.py; ``g.plan.segments`` says which runs, and why not the others); a GPU only.
     """
-    return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory, streams)
+    return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory, streams,
+                            cuda_graphs)

@@ -6,6 +6,7 @@ from collections import Counter
 
 from .program import Program
 from .segments import plan_segments
+from .stream_code import PART
 
 _COLOURS = {"compute": "lightblue", "collective": "orange", "copy": "palegreen"}
 
@@ -13,7 +14,7 @@ _COLOURS = {"compute": "lightblue", "collective": "orange", "copy": "palegreen"}
 class PlanView:
     """``g.plan``: the tasks (name, rank, stream, registers, bytes), streams and the memory bound."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, device_type: str = "cuda"):
         self.program = program
         self.tasks = program.tasks
         self.streams = {name: [program.tasks[i].name for i in ids] for name, ids in program.order.items()}
@@ -21,7 +22,7 @@ class PlanView:
         self.memory_bound = program.memory_bound
         self.micro_batches = program.micro_batches
         #: each compute stream's runs of tasks a CUDA graph could replay, and why the others cannot
-        self.segments = plan_segments(program)
+        self.segments = plan_segments(program, device_type, PART)
 
     def __repr__(self) -> str:
         kinds = Counter(t.stream.rsplit(":", 1)[-1] for t in self.tasks)

@@ -15,7 +15,8 @@ cross-stream edges. Several iterations are in flight at once, as far as the cred
 memory is bounded by the registers, and pipelining comes from the credits.
 
 On CUDA each stream thread owns a ``torch.cuda.Stream``; a cross-stream input waits on the CUDA
-event its producer recorded, and the tensor is marked as used by the consumer's stream.
+event its producer recorded, and a producer refilling a register slot waits on its consumers'
+events of the slot's last use (cuda_handover.py: one event per task and slot, no ``record_stream``).
 
 An exception in any task stops the graph: every thread leaves its loop, and the caller gets an
 error naming the task (op and rank). In a process world the failure is also published for the
@@ -34,10 +35,12 @@ from typing import Dict, List
 import torch
 
 from ..comm import get_world
+from . import cuda_handover
 from .capture import storage_key
 from .program import Program, TaskSpec
 from .shutdown import stop_at_exit
-from .stream_code import StreamCode
+from .cuda_graphs import GraphPlan
+from .stream_code import PART, StreamCode
 
 
 # how long a failed graph waits for its stream threads to leave the op or collective they are in
@@ -54,7 +57,7 @@ class _Stop(Exception):
 
 class Task:
     __slots__ = ("spec", "name", "k", "regs", "done", "waits_in", "waits_credit", "notify", "sinks",
-                 "cuda_waits", "events", "record_streams", "stream", "consumers")
+                 "cuda_waits", "events", "cuda_consumers", "stream", "consumers")
 
     def __init__(self, spec: TaskSpec):
         self.spec, self.name, self.k = spec, spec.name, spec.registers
@@ -65,8 +68,8 @@ class Task:
         self.notify: list = []         # streams to wake when this task finishes an iteration
         self.sinks: list = []          # (output position, result slot)
         self.cuda_waits: list = []     # producers on other CUDA streams
-        self.events = None
-        self.record_streams: list = []
+        self.events = None             # CUDA: one event per register slot (cuda_handover.py)
+        self.cuda_consumers: list = []  # the tasks of other CUDA streams reading its register
         self.consumers: list = []      # the tasks reading its register
 
 
@@ -98,8 +101,9 @@ class Feed:
 class Runtime:
     """One compiled graph's actors, streams and threads; ``run`` feeds it iterations."""
 
-    def __init__(self, program: Program, timeline: bool = True, measure_memory: bool = False):
+    def __init__(self, program: Program, timeline: bool = True, measure_memory: bool = False, graphs=None):
         self.program = program
+        self.graphs = GraphPlan(program, graphs, PART)     # CUDA graphs of the capturable segments
         self.world = get_world()
         self.timeline_on, self.measure = timeline, measure_memory
         self.timeline: list = []
@@ -155,7 +159,7 @@ class Runtime:
                         p.waits_credit.append(t)
                         if t.stream.device is not None and p.stream.device is not None:
                             t.cuda_waits.append(p)
-                            p.record_streams.append(t.stream)
+                            p.cuda_consumers.append(t)
             for pid, delay in t.spec.deps:
                 p = tasks[pid]
                 if p.stream is not t.stream:
@@ -174,7 +178,8 @@ class Runtime:
                 c.notify.append(t.stream)
             if any(p is self.feed for p, _ in t.waits_in):
                 t.notify.append(self.feed)
-            if t.record_streams:
+            t.cuda_consumers = list(dict.fromkeys(t.cuda_consumers))
+            if t.cuda_consumers or t.cuda_waits:
                 t.events = t.events or [None] * t.k
         for t in tasks:
             t.notify = list({id(s): s for s in t.notify if s is not t.stream}.values())
@@ -255,10 +260,10 @@ class Runtime:
         return lambda it: self._wait(stream, t, it)
 
     def _cuda_waiter(self, t: Task):
-        return lambda it: self._cuda_wait(t, it)
+        return lambda it: cuda_handover.wait(t, it)
 
     def _cuda_publisher(self, t: Task):
-        return lambda it, outs: self._cuda_publish(t, it, outs)
+        return lambda it: cuda_handover.publish(t, it)
 
     def _wait(self, stream: Stream, t: Task, it: int) -> None:
         """Until every input of iteration ``it`` is ready and a register is free (ready, then ack)."""
@@ -282,23 +287,6 @@ class Runtime:
         if self.timeline_on:
             self.waits.append((stream.name, t.name, it, start, time.perf_counter(), why,
                                other.name if isinstance(other, Task) else "the call's arguments"))
-
-    def _cuda_wait(self, t: Task, it: int) -> None:
-        current = torch.cuda.current_stream()
-        for p in t.cuda_waits:
-            ev = p.events[(it % p.k)] if p.events is not None else None
-            if ev is not None:
-                current.wait_event(ev)
-
-    def _cuda_publish(self, t: Task, it: int, outs) -> None:
-        ev = torch.cuda.Event()
-        ev.record()
-        t.events[it % t.k] = ev
-        for o in outs:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
-                for s in t.record_streams:
-                    if s.cuda_stream is not None:
-                        o.record_stream(s.cuda_stream)
 
     def _fail(self, e: BaseException, t) -> None:
         with self.lock:

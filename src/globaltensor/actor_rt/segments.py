@@ -6,20 +6,26 @@ maximal runs of tasks that need the host at neither end:
 - a task that reads a value another stream made starts a new segment (the stream waits on that
   stream's event first), and so does one ordered after another stream's task;
 - a task whose value another stream reads ends its segment (the event is recorded after it);
-- a task that cannot be captured -- on a CPU device, or a collective (a pipeline stage's inline
-  send) -- is a segment of its own, uncapturable, with the reason.
+- a task that cannot be captured -- on a CPU device, a collective (a pipeline stage's inline
+  send), or a mapped call (``gt.local_map``'s host code, which keeps an autograd graph per call)
+  -- is a segment of its own, uncapturable, with the reason;
+- with ``cut_every=n``, a segment also ends every ``n`` tasks of its stream (where the stream's
+  generated code starts a new function, stream_code.py).
 
 A segment's ``inputs`` are the values it reads from outside it (other tasks' outputs, fed
 arguments, constants: what a capture would copy into static buffers); its ``outputs`` the values
 of its tasks that anything outside it reads (other segments, the call's results, state rebound
 after the call). Collectives and copies stay tasks of their own streams between segments.
-``g.plan.segments`` lists them. The capture itself (a ``torch.cuda.CUDAGraph`` per segment and
-register slot) needs a GPU to be built and checked.
+``g.plan.segments`` lists them; ``gt.compile(fn, cuda_graphs=True)`` captures the capturable ones
+(cuda_graphs.py). The device type taken as capturable is ``cuda`` (a stand-in graph in the tests
+takes ``cpu``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
+
+import torch
 
 from .program import Program
 
@@ -43,12 +49,20 @@ class Segment:
                 f"{len(self.outputs)} outputs, {what})")
 
 
-def _uncapturable(task) -> str:
+def _uncapturable(task, device_type: str) -> str:
     if task.node is not None and task.node.kind == "collective":
         return f"a collective ({task.name}) runs on the compute stream"
-    if task.device is None or getattr(task.device, "type", "cpu") != "cuda":
-        return f"CPU tensors ({task.name})"
+    target = getattr(task.node, "target", None)
+    if target is not None and not isinstance(target, (torch._ops.OpOverload, str)):
+        return f"a mapped call ({task.name}) runs host code"
+    if task.device is None or getattr(task.device, "type", "cpu") != device_type:
+        return f"CPU tensors ({task.name})" if device_type == "cuda" else f"not on {device_type} ({task.name})"
     return ""
+
+
+def compute_stream(name: str) -> bool:
+    """Whether stream ``name`` is a compute stream: ``...:compute``, or a device's one shared stream."""
+    return name.endswith(":compute") or ":" not in name
 
 
 def _readers(program: Program) -> Dict[Tuple[int, int], Set[int]]:
@@ -69,7 +83,7 @@ def _program_reads(program: Program) -> Set[Tuple[int, int]]:
     return {(r[1], r[2]) for r in refs if isinstance(r, tuple) and r and r[0] == "task"}
 
 
-def plan_segments(program: Program) -> List[Segment]:
+def plan_segments(program: Program, device_type: str = "cuda", cut_every: int = 0) -> List[Segment]:
     """The segments of every compute stream of ``program`` (see the module's docstring)."""
     tasks = program.tasks
     stream_of = {t.id: t.stream for t in tasks}
@@ -80,15 +94,16 @@ def plan_segments(program: Program) -> List[Segment]:
         n_out[tid] = max(n_out[tid], o + 1)
     segments: List[Segment] = []
     for stream, ids in program.order.items():
-        if not stream.endswith(":compute"):
+        if not compute_stream(stream):
             continue
         current = None
-        for tid in ids:
+        for position, tid in enumerate(ids):
             t = tasks[tid]
-            reason = _uncapturable(t)
+            reason = _uncapturable(t, device_type)
             waits = any(x[0] == "task" and stream_of[x[1]] != stream for x in t.inputs) or \
                 any(stream_of[d] != stream for d, _ in t.deps)
-            if current is None or reason or current.reason or waits:
+            cut = cut_every and position % cut_every == 0
+            if current is None or reason or current.reason or waits or cut:
                 current = Segment(stream, t.rank, reason=reason)
                 segments.append(current)
             current.tasks.append(tid)

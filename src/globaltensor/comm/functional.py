@@ -6,12 +6,14 @@ its ``torch.distributed._functional_collectives`` form (the ``_c10d_functional``
 a new tensor and lands in the graph, where Inductor can reorder and overlap it. The results are
 the pieces the eager collectives give: an uneven all-gather pads and cuts as the eager one does, a
 reduce-scatter is an all-to-all of the parts and a sum (gloo has no reduce-scatter), an all-to-all
-exchanges flattened blocks. Point-to-point transfers have no functional form and raise.
+exchanges flattened blocks, and point-to-point transfers are one all-to-all over their peers (torch has
+no functional send / recv).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake
 
 from ..sbp.shape import numel
@@ -25,6 +27,12 @@ def traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is a piece being traced: a fake tensor (tracing runs under a fake mode, so a
     piece made during it, the receiving side's buffer of a broadcast, is one too)."""
     return is_fake(t)
+
+
+def tracing(tensors) -> bool:
+    """Whether a collective of ``tensors`` is being traced: one of them is fake, or (a rank that only
+    receives gives none) a fake mode is active."""
+    return any(traced(t) for t in tensors) or detect_fake_mode() is not None
 
 
 def _ranked(order: list) -> list:
@@ -62,15 +70,34 @@ def reduce_scatter(x: torch.Tensor, pg, order: list, i_me: int, dim: int, sizes:
     return torch.stack(got).sum(0)
 
 
+def send_recv(transfers: list, payload: dict, dtype, device, me: int, group: tuple, pg, order: list) -> dict:
+    """Point-to-point transfers as one functional all-to-all over ``group`` (every peer of the
+    transfers): each member sends each other member its transfers to it, flattened in transfer
+    order, and one padding element (gloo aborts an exchange in which a pair moves nothing; the
+    padding also makes every exchange carry data both ways, so no rank's graph holds an exchange
+    the others' do not). Returns ``{transfer index: received tensor}`` for the transfers into ``me``."""
+    pad = torch.zeros(1, dtype=dtype, device=device)
+    blocks, received, into = [], [], {}
+    for j, peer in enumerate(group):
+        mine = [payload[i].reshape(-1).to(dtype) for i, t in enumerate(transfers) if t.src == me and t.dst == peer]
+        blocks.append(torch.cat(mine + [pad]) if peer != me else pad)
+        theirs = [i for i, t in enumerate(transfers) if t.src == peer and t.dst == me and peer != me]
+        into[j] = theirs
+        received.append((sum(numel(transfers[i].shape) for i in theirs) + 1,))
+    got = exchange(blocks, received, pg, order)
+    out = {i: payload[i].to(device) for i, t in enumerate(transfers) if t.src == me and t.dst == me}
+    for j, indices in into.items():
+        offset = 0
+        for i in indices:
+            n = numel(transfers[i].shape)
+            out[i] = got[j].narrow(0, offset, n).view(transfers[i].shape)
+            offset += n
+    return out
+
+
 def all_reduce(x: torch.Tensor, pg) -> torch.Tensor:
     return funcol.all_reduce(x.contiguous(), "sum", pg)
 
 
 def broadcast(x: torch.Tensor, src_group_rank: int, pg) -> torch.Tensor:
     return funcol.broadcast(x.contiguous(), src_group_rank, pg)
-
-
-def not_traceable(what: str) -> NotImplementedError:
-    return NotImplementedError(f"globaltensor: {what} between placements moves pieces by send / recv, which "
-                               f"torch.compile cannot trace (no functional point-to-point collective); convert "
-                               f"the tensor with to_global outside the compiled region")

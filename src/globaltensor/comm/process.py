@@ -422,9 +422,10 @@ class ProcessWorld(World):
 
     def _send_recv(self, transfers, payload, dtype, device_type):
         me = self.rank
-        if any(functional.traced(t) for t in payload.values()):
-            raise functional.not_traceable("boxing")
         device = self.device(device_type, me)
+        peers = tuple(sorted({t.src for t in transfers} | {t.dst for t in transfers}))
+        if me in peers and functional.tracing(payload.values()):
+            return functional.send_recv(transfers, payload, dtype, device, me, peers, *self._pg(peers))
         ops, out = [], {}
         for i, t in enumerate(transfers):
             if t.src == me and t.dst == me:
@@ -435,7 +436,6 @@ class ProcessWorld(World):
                 out[i] = torch.empty(t.shape, dtype=dtype, device=device)
                 if out[i].numel():
                     ops.append(dist.P2POp(dist.irecv, out[i], t.src, tag=i))
-        peers = tuple(sorted({t.src for t in transfers} | {t.dst for t in transfers}))
         if me in peers:    # every peer counts the exchange, those with nothing to send or receive too
             self._run("send_recv", peers, lambda: [w.wait() for w in dist.batch_isend_irecv(ops)] if ops else None)
         return out
