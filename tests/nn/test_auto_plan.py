@@ -148,13 +148,14 @@ def test_long_sequences_few_of_them_and_a_memory_limit_give_the_sequence_split_w
     args = _batch(model.cfg, 2, 256)
     free = gnn.auto_plan(model, p1, args, step=gpt_step)
     by_role = {(o.candidate.roles, o.candidate.balanced): o for o in free.options if not o.candidate.zero}
-    balanced, plain, data = by_role[("sequence",), True], by_role[("sequence",), False], by_role[("data",), False]
-    assert balanced.cost.memory < data.cost.memory / 2
+    plain, data = by_role[("sequence",), False], by_role[("data",), False]
+    assert plain.cost.memory < data.cost.memory / 2
+    plan, _ = _auto(model, p1, args, memory_limit=(plain.cost.memory + data.cost.memory) // 2)
+    balanced = plan.chosen
+    ht = S(1, order="head_tail")
+    assert balanced.candidate.roles == ("sequence",) and balanced.candidate.balanced and plan.inputs == [(ht,), (ht,)]
     assert plain.cost.bytes <= balanced.cost.bytes <= plain.cost.bytes + 16
     assert balanced.cost.memory <= plain.cost.memory
-    plan, _ = _auto(model, p1, args, memory_limit=(balanced.cost.memory + data.cost.memory) // 2)
-    ht = S(1, order="head_tail")
-    assert plan.chosen.candidate == balanced.candidate and plan.inputs == [(ht,), (ht,)]
     assert "sequence split (balanced)" in plan.explain()
     again = gnn.AutoPlan.from_dict(plan.to_dict())
     assert again.inputs == plan.inputs and again.chosen.candidate.balanced
@@ -236,15 +237,16 @@ def test_bad_arguments_raise_naming_them(p1, bad, kw, match):
 
 
 def test_the_balanced_sequence_split_wins_within_its_slack_and_only_there():
-    """The plain sequence split is left out where its balanced twin models at most 1% more time; a
-    plain split that is cheaper by more stays (a model whose ops need plain order, say)."""
+    """A chosen plain sequence split gives way to its balanced twin where the twin models at most 1%
+    more time and fits the memory limit; a plain split cheaper by more stays (a model whose ops need
+    plain order, say), and so does one whose twin needs more memory than the limit."""
     from globaltensor.nn.auto.candidates import Candidate
     from globaltensor.nn.auto.cost import Cost
-    from globaltensor.nn.auto.plan import BALANCED_SLACK, Option, _balanced_first
+    from globaltensor.nn.auto.plan import BALANCED_SLACK, Option, balanced_or
 
-    def option(balanced, seconds):
-        return Option(Candidate(("sequence",), balanced=balanced), {}, {}, [], Cost(0, 0, seconds, 0))
-    close = [option(True, 1.0 + BALANCED_SLACK / 2), option(False, 1.0)]
-    assert [o.candidate.balanced for o in _balanced_first(close)] == [True]
-    far = [option(True, 1.0 + 2 * BALANCED_SLACK), option(False, 1.0)]
-    assert [o.candidate.balanced for o in _balanced_first(far)] == [True, False]
+    def option(balanced, seconds, memory=0):
+        return Option(Candidate(("sequence",), balanced=balanced), {}, {}, [], Cost(0, 0, seconds, memory))
+    plain = option(False, 1.0, memory=10)
+    assert balanced_or(plain, option(True, 1.0 + BALANCED_SLACK / 2, memory=10), 10).candidate.balanced
+    assert not balanced_or(plain, option(True, 1.0 + 2 * BALANCED_SLACK), None).candidate.balanced
+    assert not balanced_or(plain, option(True, 1.0, memory=11), 10).candidate.balanced

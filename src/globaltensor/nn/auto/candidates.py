@@ -16,9 +16,9 @@ Each placement axis then takes a role:
 - ``tensor``: the Megatron pairs split as above, everything else broadcast, the inputs broadcast;
 - ``fsdp``: every parameter split along its largest dim (gathered where an op needs it whole),
   the inputs split along their batch dim;
-- ``sequence``: parameters broadcast, the inputs split along dim 1 -- balanced (head-tail: rank ``r``
-  of ``W`` holds chunks ``r`` and ``2W - 1 - r``, so under a causal mask every rank attends as much),
-  or plainly; the balanced one is listed first, so it wins where the two cost the same;
+- ``sequence``: parameters broadcast, the inputs split along dim 1 -- plainly, or (where a sequence
+  split wins, plan.py costs its twin) balanced: head-tail, rank ``r`` of ``W`` holding chunks ``r``
+  and ``2W - 1 - r``, so that under a causal mask every rank attends as much;
 - ``expert`` (models with MoE experts modules, ``nn/moe``): the experts' stacked weights split over
   their experts, every other parameter broadcast, the inputs split along their batch dim; the
   tokens travel to their experts (``gt.nn.expert_parallel``). One axis at most.
@@ -216,8 +216,6 @@ def candidates(model: nn.Module, ndim: int, sequence: bool, order: Dict[str, int
     for combo in itertools.product(roles, repeat=ndim):
         if combo.count("sequence") > 1 or combo.count("expert") > 1:
             continue
-        if "sequence" in combo:
-            out.append(Candidate(combo, balanced=True))
         out.append(Candidate(combo))
         if "data" in combo:
             out.append(Candidate(combo, zero=True))

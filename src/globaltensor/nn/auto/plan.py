@@ -199,7 +199,11 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         least = min(options, key=lambda o: o.cost.memory)
         raise ValueError(f"auto_plan(memory_limit=): no layout fits {memory_limit:,} bytes per rank; the smallest, "
                          f"{least.candidate.name}, needs {least.cost.memory:,} ({_parts(least.cost)})")
-    chosen = min(_balanced_first(fitting), key=lambda o: (o.cost.seconds, o.cost.bytes, options.index(o)))
+    chosen = min(fitting, key=lambda o: (o.cost.seconds, o.cost.bytes, options.index(o)))
+    if "sequence" in chosen.candidate.roles:
+        twin = cost_of(replace(chosen.candidate, balanced=True), order)
+        options.append(twin)
+        chosen = balanced_or(chosen, twin, memory_limit)
     plan = _CACHE[key] = AutoPlan(placement, chosen, options, memory_limit)
     return plan
 
@@ -207,14 +211,14 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
 BALANCED_SLACK = 0.01
 
 
-def _balanced_first(options: list) -> list:
-    """``options`` without each plain sequence split whose balanced twin (the same roles, head-tail)
-    is there and models at most ``BALANCED_SLACK`` more time. The modelled time counts communication
-    only; under a causal mask the plain split gives the last rank several times the first's attention
-    work, which a few bytes' difference (where a scalar's all-reduce lands) does not outweigh."""
-    twins = {replace(o.candidate, balanced=False): o for o in options if o.candidate.balanced}
-    return [o for o in options if o.candidate.balanced or o.candidate not in twins
-            or twins[o.candidate].cost.seconds > o.cost.seconds * (1 + BALANCED_SLACK)]
+def balanced_or(chosen, twin, memory_limit):
+    """The chosen plain sequence split's balanced twin (the same roles, head-tail) where it fits and
+    models at most ``BALANCED_SLACK`` more time, else ``chosen``. The modelled time counts
+    communication only; under a causal mask the plain split gives the last rank several times the
+    first's attention work, which a few bytes' difference (where a scalar's all-reduce lands) does not
+    outweigh. Only the winner's twin is costed (a twin per sequence candidate doubled them)."""
+    fits = memory_limit is None or twin.cost.memory <= memory_limit
+    return twin if fits and twin.cost.seconds <= chosen.cost.seconds * (1 + BALANCED_SLACK) else chosen
 
 
 @contextmanager
