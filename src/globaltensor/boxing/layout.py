@@ -69,14 +69,8 @@ class Layout:
     def cells(self, rank: int) -> tuple:
         """``(box in the tensor, box in the piece)`` for each box of the tensor that ``rank``'s piece
         holds (sbp/shape.py ``segments``: the grid of each dim's ranges); one for a plain layout."""
-        segs = segments(self.shape, self.placement.hierarchy, self.nd_sbp, self.placement.coord(rank))
-        per_dim = []
-        for ranges in segs:
-            offset, placed = 0, []
-            for start, length in ranges:
-                placed.append(((start, length), (offset, length)))
-                offset += length
-            per_dim.append(placed)
+        per_dim = [[((start, length), (at, length)) for start, at, length in self.segments(rank, d)]
+                   for d in range(len(self.shape))]
         return tuple((tuple(g for g, _ in cell), tuple(p for _, p in cell)) for cell in product(*per_dim))
 
     def in_piece(self, rank: int, region: tuple) -> tuple:
