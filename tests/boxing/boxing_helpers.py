@@ -4,11 +4,12 @@ from __future__ import annotations
 import itertools
 
 import torch
+from hypothesis import strategies as st
 
 import globaltensor as gt
 from globaltensor.boxing import Layout, execute, plan_boxing
 from globaltensor.boxing.layout import relative, take
-from globaltensor.sbp import broadcast, numel, partial_sum, piece_ranges, split
+from globaltensor.sbp import blocks_problem, broadcast, numel, partial_sum, piece_ranges, split
 
 S, B, P = split, broadcast, partial_sum
 
@@ -145,3 +146,34 @@ def layout(shape, placement, sbp, dtype=torch.float64) -> Layout:
 
 def nbytes(shape, dtype=torch.float64) -> int:
     return numel(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+RANKS = {"1d": [0, 1, 2, 3], "2x2": [[0, 1], [2, 3]], "2x3": [[0, 1, 2], [3, 4, 5]]}
+
+
+def draw_sbp(data, values: list, kind: str):
+    """One SBP value of ``values`` for a 1-D placement, a pair of them for a 2-D one (hypothesis)."""
+    draw = lambda: data.draw(st.sampled_from(values))      # noqa: E731
+    return draw() if kind == "1d" else (draw(), draw())
+
+
+def check_conversion(shape: tuple, kind: str, src, dst) -> None:
+    """``src -> dst`` on the placement ``kind`` equals distributing the logical tensor to ``dst``
+    directly (float64 integers, exact); a partial source is made from the broadcast one (one rank
+    keeps the value). A pair of layouts that does not describe ``shape`` is skipped, as the
+    dispatcher never offers it."""
+    as_nd = lambda v: v if isinstance(v, tuple) else (v,)    # noqa: E731
+    ranks = RANKS[kind]
+    hierarchy = (len(ranks),) if kind == "1d" else (len(ranks), len(ranks[0]))
+    if blocks_problem(shape, hierarchy, as_nd(src)) or blocks_problem(shape, hierarchy, as_nd(dst)):
+        return
+    x = torch.randint(-50, 50, shape).to(torch.float64)
+    with gt.simulate(6):
+        p = gt.placement("cpu", ranks)
+        start = gt.distribute(x, p, tuple(B if v == P else v for v in as_nd(src))).to_global(sbp=src)
+        got = start.to_global(sbp=dst)
+        assert got.sbp == as_nd(dst)
+        assert torch.equal(got.full_tensor(), x), (src, dst)
+        if P not in as_nd(dst):
+            want = gt.distribute(x, p, dst)
+            assert all(torch.equal(got._pieces[r], want._pieces[r]) for r in want._pieces), (src, dst)

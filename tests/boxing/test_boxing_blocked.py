@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.boxing import plan_boxing
-from globaltensor.sbp import blocks_problem, broadcast as B, partial_sum as P, split as S
+from boxing_helpers import check_conversion, draw_sbp
+from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
 
 
 def _values(f: int) -> list:
@@ -18,25 +19,7 @@ def _values(f: int) -> list:
        data=st.data())
 def test_every_conversion_to_and_from_blocked_splits_equals_one_device(f, m, rows, kind, data):
     shape = (rows, f * m * 2)                       # every block count offered divides the columns
-    values = _values(f)
-    pick = (lambda: data.draw(st.sampled_from(values))) if kind == "1d" else (
-        lambda: (data.draw(st.sampled_from(values)), data.draw(st.sampled_from(values))))
-    hierarchy = (4,) if kind == "1d" else (2, 2)
-    src, dst = pick(), pick()
-    as_nd = lambda v: v if isinstance(v, tuple) else (v,)
-    if blocks_problem(shape, hierarchy, as_nd(src)) or blocks_problem(shape, hierarchy, as_nd(dst)):
-        return
-    x = torch.randint(-50, 50, shape).to(torch.float64)
-    with gt.simulate(4):
-        p = gt.placement("cpu", [0, 1, 2, 3] if kind == "1d" else [[0, 1], [2, 3]])
-        plain_src = tuple(B if v == P else v for v in as_nd(src))
-        start = gt.distribute(x, p, plain_src).to_global(sbp=src)        # B -> P: one rank keeps the value
-        got = start.to_global(sbp=dst)
-        assert got.sbp == as_nd(dst)
-        assert torch.equal(got.full_tensor(), x), (src, dst)
-        if P not in as_nd(dst):
-            want = gt.distribute(x, p, dst)
-            assert all(torch.equal(got._pieces[r], want._pieces[r]) for r in want._pieces), (src, dst)
+    check_conversion(shape, kind, draw_sbp(data, _values(f), kind), draw_sbp(data, _values(f), kind))
 
 
 def test_a_blocked_split_to_its_factored_neighbours_moves_what_the_plain_one_would(p1):

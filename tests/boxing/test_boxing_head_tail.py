@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.boxing import plan_boxing
-from globaltensor.sbp import blocks_problem, broadcast as B, partial_sum as P, split as S
+from boxing_helpers import check_conversion, draw_sbp
+from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
 
 
 def HT(d: int, f: int = 1):
@@ -51,26 +52,7 @@ def _values() -> list:
 @given(m=st.integers(1, 6), rows=st.integers(1, 5), kind=st.sampled_from(["1d", "2x2", "2x3"]), data=st.data())
 def test_every_conversion_to_and_from_head_tail_splits_equals_one_device(m, rows, kind, data):
     shape = (rows, 2 * m)
-    values = _values()
-    pick = (lambda: data.draw(st.sampled_from(values))) if kind == "1d" else (
-        lambda: (data.draw(st.sampled_from(values)), data.draw(st.sampled_from(values))))
-    hierarchy = {"1d": (4,), "2x2": (2, 2), "2x3": (2, 3)}[kind]
-    src, dst = pick(), pick()
-    as_nd = lambda v: v if isinstance(v, tuple) else (v,)
-    if blocks_problem(shape, hierarchy, as_nd(src)) or blocks_problem(shape, hierarchy, as_nd(dst)):
-        return
-    x = torch.randint(-50, 50, shape).to(torch.float64)
-    with gt.simulate(6):
-        ranks = {"1d": [0, 1, 2, 3], "2x2": [[0, 1], [2, 3]], "2x3": [[0, 1, 2], [3, 4, 5]]}[kind]
-        p = gt.placement("cpu", ranks)
-        plain_src = tuple(B if v == P else v for v in as_nd(src))
-        start = gt.distribute(x, p, plain_src).to_global(sbp=src)
-        got = start.to_global(sbp=dst)
-        assert got.sbp == as_nd(dst)
-        assert torch.equal(got.full_tensor(), x), (src, dst)
-        if P not in as_nd(dst):
-            want = gt.distribute(x, p, dst)
-            assert all(torch.equal(got._pieces[r], want._pieces[r]) for r in want._pieces), (src, dst)
+    check_conversion(shape, kind, draw_sbp(data, _values(), kind), draw_sbp(data, _values(), kind))
 
 
 def test_the_plans_a_head_tail_split_takes():

@@ -318,25 +318,11 @@ def _broadcast(step: Step, meta, pieces, world):
 def _prepare_send_recv(step: Step, world: World) -> tuple:
     """The cuts of the source piece each transfer sent from here carries; per target rank held here,
     its device and how its piece is assembled from the transfers it receives (None: a 0-d piece,
-    the one transfer's tensor)."""
+    the one transfer's tensor). A transfer carries its named box of the tensor (``regions``: a
+    head-tail reorder), or else the intersection of its two pieces; either lies in one box of each
+    piece (``Layout.in_piece``)."""
     src, dst = step.src, step.dst
-    if step.regions:
-        return _prepare_reorder(step, world)
-    sends = {i: _cuts(relative(intersect(src.box(t.src), dst.box(t.dst)), src.box(t.src)), src.piece_shape(t.src))
-             for i, t in enumerate(step.transfers) if world.holds(t.src)}
-    receives = {}
-    for r in dst.placement.rank_list():
-        if world.holds(r):
-            box = dst.box(r)
-            mine = [i for i, t in enumerate(step.transfers) if t.dst == r]
-            how = _tile(box, [intersect(src.box(step.transfers[i].src), box) for i in mine]) if box else None
-            receives[r] = (world.device(dst.placement.type, r), mine, how)
-    return sends, receives
-
-
-def _prepare_reorder(step: Step, world: World) -> tuple:
-    """_prepare_send_recv's meta where each transfer carries a named box of the tensor (head_tail.py)."""
-    src, dst, regions = step.src, step.dst, step.regions
+    regions = step.regions or tuple(intersect(src.box(t.src), dst.box(t.dst)) for t in step.transfers)
     sends = {i: _cuts(src.in_piece(t.src, regions[i]), src.piece_shape(t.src))
              for i, t in enumerate(step.transfers) if world.holds(t.src)}
     receives = {}
@@ -344,7 +330,7 @@ def _prepare_reorder(step: Step, world: World) -> tuple:
         if world.holds(r):
             shape = dst.piece_shape(r)
             mine = [i for i, t in enumerate(step.transfers) if t.dst == r]
-            how = (shape, tuple(_cuts(dst.in_piece(r, regions[i]), shape) for i in mine))
+            how = (shape, tuple(_cuts(dst.in_piece(r, regions[i]), shape) for i in mine)) if shape else None
             receives[r] = (world.device(dst.placement.type, r), mine, how)
     return sends, receives
 

@@ -14,7 +14,7 @@ It is reached in one of three ways, the cheapest by the planner's cost:
 from __future__ import annotations
 
 from .layout import Layout, axis_groups, intersect
-from .plan import Step
+from .plan import Plan, Step
 from ..comm.world import Transfer
 from ..sbp.shape import head_tail_axes, head_tail_problem, numel
 from ..sbp.values import broadcast, split
@@ -44,16 +44,7 @@ def head_tail_steps(src: Layout, dst: Layout, plan_boxing) -> list:
     routes = [head + list(plan_boxing(start, plain).steps) + [reorder(plain, dst)]]
     spread = dst.with_sbp(tuple(broadcast if v.is_split and v.head_tail else v for v in dst.nd_sbp))
     routes.append(head + list(plan_boxing(start, spread).steps) + [Step("slice", spread, dst, (), ())])
-    return min(routes, key=lambda steps: (max(_sent(steps).values(), default=0),
-                                          sum(s.is_collective for s in steps), len(steps)))
-
-
-def _sent(steps: list) -> dict:
-    out = {}
-    for s in steps:
-        for r, b in s.bytes_per_rank:
-            out[r] = out.get(r, 0) + b
-    return out
+    return min(routes, key=lambda steps: Plan(src, dst, tuple(steps)).cost)
 
 
 def _same_chunks(src: Layout, dst: Layout) -> bool:

@@ -80,6 +80,11 @@ class Plan:
         return max(self.bytes_per_rank.values(), default=0)
 
     @property
+    def cost(self) -> tuple:
+        """What the planner minimises: (bytes the busiest rank sends, collectives, steps)."""
+        return (self.bytes, sum(s.is_collective for s in self.steps), len(self.steps))
+
+    @property
     def collectives(self) -> list:
         """The names of the steps that issue a collective, in order."""
         return [s.op for s in self.steps if s.is_collective]

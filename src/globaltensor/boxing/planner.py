@@ -157,11 +157,7 @@ def _across(src: Layout, dst: Layout) -> list:
             candidates.append(pre + [gather] + finish_b)
     all_b_src = tuple(broadcast for _ in src.nd_sbp)
     candidates.append(_search(src, all_b_src) + _broadcast_steps(src.with_sbp(all_b_src), all_b_dst) + finish_b)
-    return min(candidates, key=lambda steps: _route_cost(src, dst, steps))
-
-
-def _route_cost(src: Layout, dst: Layout, steps: list) -> tuple:
-    return (Plan(src, dst, tuple(steps)).bytes, sum(s.is_collective for s in steps), len(steps))
+    return min(candidates, key=lambda steps: Plan(src, dst, tuple(steps)).cost)
 
 
 def _reductions(src: Layout) -> list:
