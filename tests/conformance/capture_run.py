@@ -23,6 +23,7 @@ from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import broadcast
 from globaltensor.tensor import GlobalTensor
 import opinfo_run as run
+from cuda_attention_standin import cuda_attention_on_cpu
 
 
 @dataclass
@@ -144,6 +145,14 @@ def _grad_of(out_fn):
     return f
 
 
+# CUDA's sdpa ops on q, k, v split on the sequence (ring attention), run by CPU stand-ins
+CUDA_ATTENTION = {
+    "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0],
+    "efficient": lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                                        True)[0],
+    "cudnn": lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True)[0],
+}
+
 # kernels the OpInfo samples do not reach: (function, its inputs as (tensor, nd-SBP on the 2x2
 # placement, requires grad), values compared -- False for random ops)
 F = torch.nn.functional
@@ -157,6 +166,8 @@ EXTRA = {
     "sdpa_flash_cpu": (_grad_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
                        [(_t(4, 2, 8, 16), ("S0", "S1"), True), (_t(4, 2, 8, 16), ("S0", "S1"), True),
                         (_t(4, 2, 8, 16), ("S0", "S1"), True)], True),
+    **{f"sdpa_{name}_cuda_ring": (_grad_of(call), [(_t(2, 2, 32, 8), ("S0", "S2"), True)] * 3, True)
+       for name, call in CUDA_ATTENTION.items()},
     "upsample_nearest3d": (_grad_of(lambda x: F.interpolate(x, scale_factor=2, mode="nearest")),
                            [(_t(4, 2, 3, 4, 5), ("S0", "S1"), True)], True),
     "upsample_nearest_exact3d": (_grad_of(lambda x: F.interpolate(x, scale_factor=2, mode="nearest-exact")),
@@ -181,9 +192,10 @@ EXTRA = {
 
 
 def compare_extra(name: str, compiled: bool = True) -> Compared:
-    """An EXTRA case on the 2x2 placement, compiled beside eager (or eager only)."""
+    """An EXTRA case on the 2x2 placement, compiled beside eager (or eager only); CUDA's attention ops
+    run as their CPU stand-ins (tests/cuda_attention_standin.py)."""
     fn, inputs, values = EXTRA[name]
-    with gt.simulate(4):
+    with gt.simulate(4), cuda_attention_on_cpu():
         p = gt.placement("cpu", [[0, 1], [2, 3]])
         nd = {"B": broadcast, **{f"S{d}": gt.sbp.split(d) for d in range(5)}}
         leaves = [gt.distribute(t, p, tuple(nd[s] for s in sbp)).requires_grad_(grad) for t, sbp, grad in inputs]

@@ -130,6 +130,33 @@ def test_sdpa_kernels_on_a_cuda_placement(dtype, backend, sbp):
             torch.testing.assert_close(g.grad.full_tensor(), t.grad, **tol)
 
 
+@pytest.mark.parametrize("dtype,backend", [(torch.float16, "FLASH_ATTENTION"), (torch.float32, "EFFICIENT_ATTENTION"),
+                                           (torch.bfloat16, "CUDNN_ATTENTION")])
+@pytest.mark.parametrize("order", ["plain", "head_tail"])
+def test_ring_attention_on_the_cuda_kernels(dtype, backend, order):
+    """q, k and v split on the sequence: the kernel runs each block of the ring (ring_attention.py),
+    only key/value blocks move, and the result equals one GPU's call -- up to the blocks' own
+    rounding in the dtype (the merge and the gradients' sums run in float32: 1e-2 for half, 1e-4
+    for float32, whose kernels sum in another order)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with gt.simulate(4):
+        p1 = gt.placement("cuda", [0, 1, 2, 3])
+        seq = S(2, order=order)
+        q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        gq, gk, gv = (gt.distribute(t.detach(), p1, seq).requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with no_fallback(), gt.explicit(), gt.comm_stats() as stats:
+                got = F.scaled_dot_product_attention(gq, gk, gv, is_causal=True)
+                got.sum().backward()
+            want.sum().backward()
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
+        assert got.sbp == (seq,) and set(stats.ops()) == {"send_recv"}, stats.ops()
+        torch.testing.assert_close(got.full_tensor(), want, **tol)
+        for g, t in ((gq, q), (gk, k), (gv, v)):
+            torch.testing.assert_close(g.grad.full_tensor(), t.grad, **tol)
+
+
 def test_cpu_and_cuda_placements_box_into_each_other():
     with gt.simulate(4):
         x = torch.randn(8, 6, dtype=torch.float64)

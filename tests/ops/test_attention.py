@@ -247,15 +247,15 @@ def _attention_work(order: str, length: int = 64, width: int = 4) -> tuple:
     work = dict.fromkeys(range(width), 0)
     ring_forward = attention.ring_forward
 
-    def counting(func, n_by_rank, ins, causal, scale):
-        owner = {n["query"].untyped_storage().data_ptr(): r for r, n in n_by_rank.items()}
-        assert len(owner) == len(n_by_rank)
+    def counting(attend, pieces, ins, causal, scale):
+        owner = {n["query"].untyped_storage().data_ptr(): r for r, n in pieces.items()}
+        assert len(owner) == len(pieces)
 
-        def counted(q, k, v, dropout_p, is_causal, **kw):
+        def counted(q, k, v, is_causal, mask, scale):
             n, m = q.shape[2], k.shape[2]
             work[owner[q.untyped_storage().data_ptr()]] += n * (n + 1) // 2 if is_causal else n * m
-            return func(q, k, v, dropout_p, is_causal, **kw)
-        return ring_forward(counted, n_by_rank, ins, causal, scale)
+            return attend(q, k, v, is_causal, mask, scale)
+        return ring_forward(counted, pieces, ins, causal, scale)
 
     with pytest.MonkeyPatch.context() as patched, gt.simulate(width):
         patched.setattr(attention, "ring_forward", counting)

@@ -36,14 +36,11 @@ import torch
 
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
-from .ring_attention import ring_backward, ring_bytes, ring_forward, seq_axes
+from .attention_cost import attention_kernel_bytes, keeps_the_work_divided
+from .ring_attention import ring_backward, ring_forward, seq_axes
 
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-
-
 
 
 def _mask(mask, d) -> list:
@@ -126,7 +123,7 @@ def _local(func, q_index):
 
 def _forward_kernel(func, args, kwargs, ins, outs, calls):
     if seq_axes(ins[1]):
-        return _ring(ring_forward, func, ins, calls)
+        return _ring_forward(func, ins, outs, calls)
     results = {}
     for r, (a, kw) in calls.items():
         q = bind(func, a, kw)["query"]
@@ -139,7 +136,7 @@ def _forward_kernel(func, args, kwargs, ins, outs, calls):
 
 def _backward_kernel(func, args, kwargs, ins, outs, calls):
     if seq_axes(ins[2]):
-        return _ring(ring_backward, func, ins, calls)
+        return _ring_backward(func, ins, calls)
     results = {}
     for r, (a, kw) in calls.items():
         n = bind(func, a, kw)
@@ -152,49 +149,33 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-def _ring(run, func, ins, calls):
+def _ring_forward(func, ins, outs, calls):
+    """Ring attention (ring_attention.py) with the CPU op as the block kernel."""
+    if not calls:
+        return {}
     named = {r: bind(func, a, kw) for r, (a, kw) in calls.items()}
     first = next(iter(named.values()))
-    return run(func, named, ins, first["is_causal"], first["scale"])
+
+    def attend(q, k, v, causal, mask, scale):
+        return func(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    merged = ring_forward(attend, {r: dict(n, mask=n["attn_mask"]) for r, n in named.items()}, ins,
+                          first["is_causal"], first["scale"])
+    return {r: (o.to(outs[0].dtype), l.to(outs[1].dtype)) for r, (o, l) in merged.items()}
 
 
-def _forward_bytes(sources, ins, recorded: bool) -> int:
-    """What ring attention's blocks cost on top of the boxing: one rotation of k and v, and where
-    autograd records the op, its backward's too. Where autograd records it, a signature that
-    gathers sequence-split k and v (the query split) makes every rank hold them whole until the
-    backward -- the memory a sequence split exists to save, layer after layer: those bytes count
-    too, so that ring attention, which never holds them whole, is not passed over for its extra
-    backward rotation."""
-    if seq_axes(ins[1]):
-        return ring_bytes(ins[1], ins[2], backward=False) + (ring_bytes(ins[1], ins[2], backward=True)
-                                                             if recorded else 0)
-    if not recorded or not seq_axes(sources[1]):
-        return 0
-    ranks = ins[1].placement.rank_list()
-    return max(sum(max(t.piece_bytes(r) - s.piece_bytes(r), 0) for s, t in zip(sources[1:3], ins[1:3]))
-               for r in ranks)
+def _ring_backward(func, ins, calls):
+    if not calls:
+        return {}
+    named = {r: bind(func, a, kw) for r, (a, kw) in calls.items()}
+    first = next(iter(named.values()))
+
+    def attend_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
+        return func(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return ring_backward(attend_backward, {r: dict(n, mask=n["attn_mask"]) for r, n in named.items()}, ins,
+                         first["is_causal"], first["scale"])
 
 
-def _backward_bytes(sources, ins, recorded: bool) -> int:
-    """The backward's: a rotation of k and v, and the key/value gradient shares sent home."""
-    return ring_bytes(ins[2], ins[3], backward=True) if seq_axes(ins[2]) else 0
-
-
-def _keeps_the_work_divided(q_index):
-    """Admit a signature only if attention's query work stays divided as it came: every placement axis
-    that splits the queries still splits them (gathering q would make each rank redo the others'
-    attention), and every rank that holds query rows keeps some (a head split with fewer heads than
-    ranks -- Ulysses' limit -- or a batch split of a smaller batch would hand whole sequences to some
-    ranks and leave the others idle). Ring attention always qualifies."""
-    def admit(sources, targets) -> bool:
-        source, target = sources[q_index], targets[q_index]
-        if any(u.is_split and not v.is_split for u, v in zip(source.nd_sbp, target.nd_sbp)):
-            return False
-        return all(not all(source.piece_shape(r)) or all(target.piece_shape(r)) for r in source.placement.rank_list())
-    return admit
-
-
-register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel, kernel_bytes=_forward_bytes,
-              admit=_keeps_the_work_divided(0), head_tail=_sequence_forward)
+register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel,
+              kernel_bytes=attention_kernel_bytes(0), admit=keeps_the_work_divided(0), head_tail=_sequence_forward)
 register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
-              kernel_bytes=_backward_bytes, admit=_keeps_the_work_divided(1), head_tail=_sequence_backward)
+              kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1), head_tail=_sequence_backward)

@@ -11,11 +11,16 @@ attends by itself, so per placement axis:
 - batch split: every ``[B, H, ...]`` tensor ``S(0)`` (a bias broadcast over the batch stays ``B``,
   its gradient then a partial sum ``P``), the bookkeeping ``B``;
 - head split: the same with ``S(1)``, only without grouped-query attention (``H == Hk``), as on CPU;
-- backward with a partial ``grad_out`` (everything else ``B``): the gradients are linear in it, ``P``.
+- backward with a partial ``grad_out`` (everything else ``B``): the gradients are linear in it, ``P``;
+- sequence split (ring attention, attention_cuda_ring.py): q, k, v ``S(2)`` (a bias ``S`` on its
+  query dim) -> output and log-sum-exp ``S(2)``; backward the gradients ``S(2)``. Not for the
+  memory-efficient kernel where the query length is not a multiple of 32 (its log-sum-exp's
+  padding would split unlike the queries).
 
-No query split: the memory-efficient kernel pads its log-sum-exp to a multiple of 32 rows, and flash
-returns ``max_q`` per call -- both are per-piece quantities a split of the rows would mix up. A bias
-is split only where it has the dim (size 1 or missing: ``B``). With ``dropout_p > 0`` the kernels
+No query split with k and v gathered: the memory-efficient kernel pads its log-sum-exp to a
+multiple of 32 rows, and flash returns ``max_q`` per call -- per-piece quantities a split of the
+rows would mix up (the ring computes them from the global shapes). A bias is split only where it
+has the dim (size 1 or missing: ``B``). With ``dropout_p > 0`` the kernels
 draw their masks from each rank's own CUDA generator: not sharding-invariant, and broadcast replicas
 would each draw their own. Such a call raises, naming the way out: the math backend
 (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``), whose dropout has a sharding-invariant rule.
@@ -31,7 +36,11 @@ import torch
 
 from ...compat.torch_ops import exists
 from ..registry import aten, register_rule
+from .attention_cost import attention_kernel_bytes, keeps_the_work_divided
+from .attention_cuda_ring import (ring_backward_candidates, ring_backward_kernel, ring_forward_candidates,
+                                  ring_forward_kernel)
 from .common import B, P, S, bind, sig, tensors_of
+from .ring_attention import seq_axes
 
 _FORWARD = [aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_cudnn_attention.default]
@@ -65,13 +74,13 @@ def _usable(op, named: dict) -> bool:
     return not named.get("return_debug_mask", False) and named["query"].dim() == 4
 
 
-def _candidates(op, args, kwargs, gradients: bool) -> list:
+def _candidates(op, args, kwargs, results: list, gradients: bool) -> list:
     """Batch split, and head split without grouped-query attention: the inputs and the meta kernel's
     tensor results laid out by :func:`_split_of`."""
     named = bind(op, args, kwargs)
     q, k = named["query"], named["key"]
     bh = tuple(q.shape[:2])
-    outs = [o for o in op(*args, **kwargs) if isinstance(o, torch.Tensor)]
+    outs = [o for o in results if isinstance(o, torch.Tensor)]
     ins = tensors_of(*args, **kwargs)
     return [sig([_split_of(t, d, bh) for t in ins], [_split_of(o, d, bh, gradients) for o in outs])
             for d in ((0, 1) if q.shape[1] == k.shape[1] else (0,))]
@@ -79,7 +88,18 @@ def _candidates(op, args, kwargs, gradients: bool) -> list:
 
 def _forward(op):
     def rule(*args, **kwargs):
-        return _candidates(op, args, kwargs, False) if _usable(op, bind(op, args, kwargs)) else []
+        if not _usable(op, bind(op, args, kwargs)):
+            return []
+        results = list(op(*args, **kwargs))
+        return _candidates(op, args, kwargs, results, False) + ring_forward_candidates(op, args, kwargs, results)
+    return rule
+
+
+def _forward_ring(op):
+    def rule(*args, **kwargs):
+        if not _usable(op, bind(op, args, kwargs)):
+            return []
+        return ring_forward_candidates(op, args, kwargs, list(op(*args, **kwargs)))
     return rule
 
 
@@ -89,15 +109,37 @@ def _backward(op, grad_name):
         if not _usable(op, named):
             return []
         ins = tensors_of(*args, **kwargs)
-        n_out = sum(isinstance(o, torch.Tensor) for o in op(*args, **kwargs))
+        results = list(op(*args, **kwargs))
+        n_out = sum(isinstance(o, torch.Tensor) for o in results)
         linear = sig([P if t is named[grad_name] else B for t in ins], [P] * n_out)
-        return _candidates(op, args, kwargs, True) + [linear]
+        return (_candidates(op, args, kwargs, results, True) + [linear] +
+                ring_backward_candidates(op, args, kwargs, results))
     return rule
+
+
+def _backward_ring(op):
+    def rule(*args, **kwargs):
+        if not _usable(op, bind(op, args, kwargs)):
+            return []
+        return ring_backward_candidates(op, args, kwargs, list(op(*args, **kwargs)))
+    return rule
+
+
+def _kernel(ring_kernel, q_index):
+    """Ring attention where k is split on the sequence; otherwise the op on each rank's pieces."""
+    def kernel(func, args, kwargs, ins, outs, calls):
+        if seq_axes(ins[q_index + 1]):
+            return ring_kernel(func, args, kwargs, ins, outs, calls)
+        return {r: func(*a, **kw) for r, (a, kw) in calls.items()}
+    return kernel
 
 
 for _op in _FORWARD:
     if exists(_op):
-        register_rule(_op, _forward(_op))
+        register_rule(_op, _forward(_op), kernel=_kernel(ring_forward_kernel, 0), kernel_bytes=attention_kernel_bytes(0),
+                      admit=keeps_the_work_divided(0), head_tail=_forward_ring(_op))
 for _op, _grad in _BACKWARD.items():
     if exists(_op):
-        register_rule(_op, _backward(_op, _grad))
+        register_rule(_op, _backward(_op, _grad), kernel=_kernel(ring_backward_kernel, 1),
+                      kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1),
+                      head_tail=_backward_ring(_op))
