@@ -172,6 +172,30 @@ def test_ring_attention_with_an_explicit_mask_equals_one_device(make_mask, order
             torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("lengths", [(12, 16), (16, 12), (13, 7), (5, 21)], ids=lambda n: str(n))
+def test_causal_ring_attention_with_query_and_key_lengths_apart(lengths, float64):
+    """Top-left causal attention with more or fewer keys than queries: each rank's rows meet blocks
+    of another size, cut into the keys wholly before them, a square on the diagonal (the kernel's
+    ``is_causal``) and the rows after it -- and rows before a block's first key take nothing."""
+    length, keys = lengths
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(2, 2, length, 8, generator=g), torch.randn(2, 2, keys, 8, generator=g), \
+        torch.randn(2, 2, keys, 8, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    want.sum().backward()
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        split = [gt.distribute(t, p, S(2)).requires_grad_() for t in (q, k, v)]
+        with gt.explicit(), gt.comm_stats() as stats:
+            got = F.scaled_dot_product_attention(*split, is_causal=True)
+            got.sum().backward()
+        assert set(stats.ops()) == {"send_recv"}, stats.ops()
+        torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=1e-12)
+        for a, b in zip(split, leaves):
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=0, atol=1e-12)
+
+
 def test_ring_attention_bytes_and_the_causal_blocks_skipped(float64):
     """Forward: each rank passes on 3 of the 4 key/value blocks. Backward: the blocks again, and the
     gradient shares of the blocks it saw -- under the causal mask only those before its rows."""
