@@ -135,3 +135,16 @@ def test_every_candidate_of_the_cuda_attention_rules(causal, float64):
     for op, args in backward_calls.items():
         assert check_candidates(op, *args, **TOL) >= 4
         assert check_candidates(op, *args, head_tail=True, **TOL) >= 1
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("heads, chosen", [(8, "all_to_all"), (2, "send_recv")], ids=["ulysses", "ring"])
+def test_the_cost_model_chooses_ring_or_ulysses_for_the_cuda_kernels(kernel, heads, chosen, float64):
+    """As for the CPU op (test_attention.py): heads to spare, the all-to-all to a head split sends the
+    least; fewer heads than ranks (and a batch of 2 on 4 ranks), the ring."""
+    with gt.simulate(4):
+        p = gt.placement("cpu", [0, 1, 2, 3])
+        q, k, v = (gt.distribute(torch.randn(2, heads, 64, 16), p, S(2)).requires_grad_() for _ in range(3))
+        with gt.comm_stats() as stats:
+            attention(kernel, q, k, v, True).sum().backward()
+        assert chosen in stats.ops() and "all_gather" not in stats.ops(), stats.ops()
