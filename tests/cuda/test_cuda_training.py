@@ -157,6 +157,31 @@ def test_ring_attention_on_the_cuda_kernels(dtype, backend, order):
             torch.testing.assert_close(g.grad.full_tensor(), t.grad, **tol)
 
 
+@pytest.mark.parametrize("backend", ["EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_ring_attention_cuts_a_mask_per_block_on_the_cuda_kernels(backend):
+    """An additive mask split on its query rows: each block hands the kernel its key columns, copied
+    into a buffer aligned as the kernel asks (attention_cuda_ring.py); equal to one GPU's call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dtype = torch.float32 if backend == "EFFICIENT_ATTENTION" else torch.bfloat16
+    with gt.simulate(4):
+        p1 = gt.placement("cuda", [0, 1, 2, 3])
+        q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        mask = torch.randn(2, 1, 128, 128, device="cuda", dtype=dtype)
+        mask[..., 100:] = -float("inf")                     # padded keys, hidden from every row
+        gq, gk, gv = (gt.distribute(t.detach(), p1, S(2)).requires_grad_() for t in (q, k, v))
+        gmask = gt.distribute(mask, p1, S(2))
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            with no_fallback(), gt.explicit():
+                got = F.scaled_dot_product_attention(gq, gk, gv, attn_mask=gmask)
+                got.sum().backward()
+            want.sum().backward()
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got.full_tensor(), want, **tol)
+        for g, t in ((gq, q), (gk, k), (gv, v)):
+            torch.testing.assert_close(g.grad.full_tensor(), t.grad, **tol)
+
+
 def test_cpu_and_cuda_placements_box_into_each_other():
     with gt.simulate(4):
         x = torch.randn(8, 6, dtype=torch.float64)
