@@ -113,16 +113,22 @@ def _script_path(script: Union[str, Path], workdir: str) -> str:
 
 def launch(script: Union[str, Path], nproc: int, *, args: Sequence[str] = (), check: bool = True,
            collective_timeout: float = COLLECTIVE_TIMEOUT_S, timeout: float = JOB_TIMEOUT_S,
-           env: Optional[Dict[str, str]] = None, launcher_args: Sequence[str] = ()) -> LaunchResult:
+           env: Optional[Dict[str, str]] = None, launcher_args: Sequence[str] = (),
+           start_method: str = "fork") -> LaunchResult:
     """Run ``script`` under ``python -m globaltensor.launch`` with ``nproc`` gloo ranks on 127.0.0.1.
 
     The launcher's ``--timeout`` is ``timeout``; the harness stops the launcher 30 s after that.
+    ``start_method``: the ranks forked from the launcher by default -- it imports torch and
+    globaltensor once, where each exec'd rank would import them again (about 5 s of CPU a rank
+    here, the largest part of most launched tests); tests/launch runs the launcher both ways, and
+    the 2-process world test and the CUDA lane's clean-exit job exec their ranks (``"spawn"``), so
+    that fresh interpreters, with their own hash seeds and their finalization at exit, stay covered.
     """
     with tempfile.TemporaryDirectory(prefix="gt-launch-") as workdir:
         path = _script_path(script, workdir)
         cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout", str(timeout),
-               *launcher_args, path, *args]
+               "--start-method", start_method, *launcher_args, path, *args]
         result = run_job(cmd, env=job_env(collective_timeout, env), timeout=timeout + 30, cwd=workdir)
     return result.check() if check else result
 

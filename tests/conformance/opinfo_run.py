@@ -396,8 +396,9 @@ def _flags(sample) -> tuple:
     return tuple(v for v in tree_flatten((list(sample.args), sample.kwargs))[0] if isinstance(v, bool))
 
 
-def plan(op, have: list) -> list:
-    """``(sample index, recipe, seed)`` for the op: a fixed, seeded subset.
+def plan(op, have: list, samples_per_op: int = SAMPLES_PER_OP) -> list:
+    """``(sample index, recipe, seed)`` for the op: a fixed, seeded subset (``samples_per_op`` of
+    the first ``SAMPLES_LOOKED_AT``, the flag combinations beside them).
 
     Of the op's first ``SAMPLES_LOOKED_AT`` samples, the one with the most tensor dims (OpInfo
     lists 0-dim samples first) and up to two more picked at random; the first runs on
@@ -410,7 +411,7 @@ def plan(op, have: list) -> list:
     rng = random.Random(seed_of(name))
     first = have[:SAMPLES_LOOKED_AT]
     order = sorted(range(len(first)), key=lambda i: (-_richness(first[i]), i))
-    chosen = order[:1] + rng.sample(order[1:], min(SAMPLES_PER_OP - 1, len(order) - 1)) if order else []
+    chosen = order[:1] + rng.sample(order[1:], min(samples_per_op - 1, len(order) - 1)) if order else []
     cases = []
     for k, i in enumerate(chosen):
         for recipe in (("split", "nd") if k == 0 else (rng.choice(RECIPES),)):
@@ -424,10 +425,10 @@ def plan(op, have: list) -> list:
     return cases
 
 
-def classify_op(op, cases=None) -> list:
+def classify_op(op, cases=None, samples_per_op: int = SAMPLES_PER_OP) -> list:
     """``[(sample index, recipe, Outcome)]`` for the op's plan (or the given cases)."""
     have = samples(op, FLAG_SAMPLES_LOOKED_AT)
-    cases = plan(op, have) if cases is None else cases
+    cases = plan(op, have, samples_per_op) if cases is None else cases
     return [(i, recipe, run_case(op, have[i], recipe, seed)) for i, recipe, seed in cases if i < len(have)]
 
 

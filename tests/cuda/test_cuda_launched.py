@@ -26,6 +26,8 @@ print("GT done", loss.item())
 
 
 def test_a_compiled_cuda_process_exits_cleanly(launch):
-    result = launch(PROGRAM, 1)          # check=True: a non-zero exit (SIGABRT at exit) fails here
+    # check=True: a non-zero exit (SIGABRT at exit) fails here; a fresh interpreter ("spawn"), whose
+    # exit runs the interpreter's finalization, where a forked rank ends by os._exit
+    result = launch(PROGRAM, 1, start_method="spawn")
     assert any(line.startswith("GT done") for line in result.lines(0)), result.describe()
     assert "terminate called" not in result.output, result.describe()

@@ -30,8 +30,13 @@ def pids_of(result, tag="PID"):
     return [int(line.split()[-1]) for line in result.stdout.splitlines() if f" {tag} " in line]
 
 
-def launcher_cmd(nproc, script, *extra, args=()):
-    return [sys.executable, "-m", "globaltensor.launch", "--nproc-per-node", str(nproc), *extra, str(script), *args]
+def launcher_cmd(nproc, script, *extra, args=(), method="spawn"):
+    return [sys.executable, "-m", "globaltensor.launch", "--nproc-per-node", str(nproc), "--start-method", method,
+            *extra, str(script), *args]
+
+
+# each rank a fresh interpreter, or forked from the launcher (globaltensor/forked_rank.py): the same job
+METHODS = pytest.mark.parametrize("method", ["spawn", "fork"])
 
 
 @pytest.fixture
@@ -70,7 +75,8 @@ SLEEPER = """
 """
 
 
-def test_success_sets_env_and_prefixes_every_line(script, tools):
+@METHODS
+def test_success_sets_env_and_prefixes_every_line(method, script, tools):
     path = script("""
         import os, sys
         keys = ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"]
@@ -80,7 +86,7 @@ def test_success_sets_env_and_prefixes_every_line(script, tools):
         sys.stdout.write("no newline at the end")
     """)
     port = tools.free_port()
-    res = tools.run_job(launcher_cmd(3, path, "--master-port", str(port)), env=tools.job_env(), timeout=60)
+    res = tools.run_job(launcher_cmd(3, path, "--master-port", str(port), method=method), env=tools.job_env(), timeout=60)
     assert res.returncode == 0, res.describe()
     for r in range(3):
         assert res.lines(r) == [f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} WORLD_SIZE=3 RANK={r} LOCAL_RANK={r}",
@@ -100,8 +106,9 @@ def _assert_torn_down(res):
     assert "WOKE" not in res.stdout, res.describe()
 
 
-def test_nonzero_exit_ends_the_job_fast(script, tools):
-    res = tools.run_job(launcher_cmd(3, script(SLEEPER), args=["exit"]), env=tools.job_env(), timeout=90)
+@METHODS
+def test_nonzero_exit_ends_the_job_fast(method, script, tools):
+    res = tools.run_job(launcher_cmd(3, script(SLEEPER), args=["exit"], method=method), env=tools.job_env(), timeout=90)
     assert res.returncode == 3, res.describe()
     assert res.elapsed < FAST_S, res.describe()
     assert "globaltensor.launch: rank 1 exited with code 3; terminated ranks [0, 2]" in res.stderr, res.describe()
@@ -109,24 +116,27 @@ def test_nonzero_exit_ends_the_job_fast(script, tools):
     _assert_torn_down(res)
 
 
-def test_death_by_signal_ends_the_job_fast(script, tools):
-    res = tools.run_job(launcher_cmd(2, script(SLEEPER), args=["kill"]), env=tools.job_env(), timeout=90)
+@METHODS
+def test_death_by_signal_ends_the_job_fast(method, script, tools):
+    res = tools.run_job(launcher_cmd(2, script(SLEEPER), args=["kill"], method=method), env=tools.job_env(), timeout=90)
     assert res.returncode == 128 + signal.SIGKILL, res.describe()
     assert res.elapsed < FAST_S, res.describe()
     assert "rank 1 was killed by signal 9 (SIGKILL)" in res.stderr, res.describe()
     _assert_torn_down(res)
 
 
-def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(script, tools):
-    res = tools.run_job(launcher_cmd(2, script(SLEEPER), "--grace", "1", args=["exit", "stubborn"]),
+@METHODS
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(method, script, tools):
+    res = tools.run_job(launcher_cmd(2, script(SLEEPER), "--grace", "1", args=["exit", "stubborn"], method=method),
                         env=tools.job_env(), timeout=90)
     assert res.returncode == 3, res.describe()
     assert res.elapsed < FAST_S, res.describe()
     _assert_torn_down(res)
 
 
-def test_timeout_kills_the_job_and_names_running_ranks(script, tools):
-    res = tools.run_job(launcher_cmd(2, script(SLEEPER), "--timeout", "3", args=["sleep"]), env=tools.job_env(),
+@METHODS
+def test_timeout_kills_the_job_and_names_running_ranks(method, script, tools):
+    res = tools.run_job(launcher_cmd(2, script(SLEEPER), "--timeout", "3", args=["sleep"], method=method), env=tools.job_env(),
                         timeout=90)
     assert res.returncode == 124, res.describe()
     assert 3 <= res.elapsed < FAST_S, res.describe()
@@ -134,10 +144,11 @@ def test_timeout_kills_the_job_and_names_running_ranks(script, tools):
     _assert_torn_down(res)
 
 
-def test_sigterm_to_the_launcher_stops_its_ranks(script, tmp_path, tools):
+@METHODS
+def test_sigterm_to_the_launcher_stops_its_ranks(method, script, tmp_path, tools):
     out = tmp_path / "out.txt"
     with open(out, "w") as f:
-        launcher = subprocess.Popen(launcher_cmd(2, script(SLEEPER), args=["sleep"]), env=tools.job_env(),
+        launcher = subprocess.Popen(launcher_cmd(2, script(SLEEPER), args=["sleep"], method=method), env=tools.job_env(),
                                     stdout=f, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 30
@@ -157,17 +168,44 @@ def test_sigterm_to_the_launcher_stops_its_ranks(script, tmp_path, tools):
     assert not [p for p in pids if alive(p)], text
 
 
-def test_module_mode_default_port_and_given_addr(tmp_path, tools):
+@METHODS
+def test_module_mode_default_port_and_given_addr(method, tmp_path, tools):
     (tmp_path / "gt_launch_probe.py").write_text(
         "import os, sys\nprint('module', os.environ['RANK'], sys.argv[1:], os.environ['MASTER_ADDR'], "
         "os.environ['MASTER_PORT'])\n")
-    res = tools.run_job(launcher_cmd(2, "gt_launch_probe", "-m", "--master-addr", "localhost", args=["--flag", "x"]),
+    res = tools.run_job(launcher_cmd(2, "gt_launch_probe", "-m", "--master-addr", "localhost", args=["--flag", "x"],
+                                     method=method),
                         env=tools.job_env(), timeout=60, cwd=str(tmp_path))
     assert res.returncode == 0, res.describe()
     lines = [res.lines(r) for r in range(2)]
     port = lines[0][0].split()[-1]
     assert 1 <= int(port) <= 65535, res.describe()
     assert lines == [[f"module 0 ['--flag', 'x'] localhost {port}"], [f"module 1 ['--flag', 'x'] localhost {port}"]]
+
+
+def test_a_forked_rank_runs_and_ends_as_a_fresh_interpreter_would(script, tools):
+    """Under ``--start-method fork``: stdin empty, argv and sys.path[0] the script's, the rank's
+    environment; at the end non-daemon threads are joined and atexit handlers run; an uncaught
+    exception is printed and exits 1, ``sys.exit("text")`` prints the text and exits 1."""
+    path = script("""
+        import atexit, os, sys, threading, time
+        rank = int(os.environ["RANK"])
+        print("stdin", repr(sys.stdin.read()), "argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(__file__))
+        atexit.register(lambda: print("atexit ran", flush=True))
+        threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+        if rank == 1 and sys.argv[1] == "raise":
+            raise ValueError("rank 1 raised")
+        if rank == 1 and sys.argv[1] == "text":
+            sys.exit("rank 1 quits with text")
+    """)
+    ok = tools.run_job(launcher_cmd(2, path, args=["fine"], method="fork"), env=tools.job_env(), timeout=60)
+    assert ok.returncode == 0, ok.describe()
+    for r in range(2):
+        assert ok.lines(r) == ["stdin '' argv ['fine'] path0 True", "thread done", "atexit ran"], ok.describe()
+    for mode, shown in (("raise", "ValueError: rank 1 raised"), ("text", "rank 1 quits with text")):
+        res = tools.run_job(launcher_cmd(2, path, args=[mode], method="fork"), env=tools.job_env(), timeout=60)
+        assert res.returncode == 1, res.describe()
+        assert f"[rank 1] {shown}" in res.stderr and "rank 1 exited with code 1" in res.stderr, res.describe()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -167,7 +167,8 @@ def test_process_world(n, launch):
     (One test per world size rather than one per check: under pytest-xdist a module-scoped
     fixture would launch the same job again on every worker that gets one of the checks.)
     """
-    job = Job(n, launch(PROGRAM, n, check=False))
+    # two fresh interpreters (conftest.launch: other launched tests fork their ranks), four forked
+    job = Job(n, launch(PROGRAM, n, check=False, start_method="spawn" if n == 2 else "fork"))
     failed = []
     for check in CHECKS:
         try:
