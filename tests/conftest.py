@@ -191,6 +191,7 @@ PIN_ONLY = (
     "tests/launch/test_launch.py::test_timeout_kills_the_job_and_names_running_ranks",
     "tests/launch/test_launch.py::test_sigterm_to_the_launcher_stops_its_ranks",
     "tests/launch/test_launch.py::test_module_mode_default_port_and_given_addr",
+    "tests/launch/test_launch.py::test_a_forked_rank_runs_and_ends_as_a_fresh_interpreter_would",
     "tests/multiprocess/test_compiled.py::test_op_raising_",
     "tests/multiprocess/test_killed_rank.py::test_killed_rank_ends_a_compiled_launched_job",
     "tests/multiprocess/test_comm_profile_launched.py::",

@@ -150,7 +150,9 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
 
 
 def _ring_forward(func, ins, outs, calls):
-    """Ring attention (ring_attention.py) with the CPU op as the block kernel."""
+    """Ring attention (ring_attention.py) with the CPU op as the block kernel. The log-sum-exp stays
+    as merged, in the query's dtype (float32 for lower precisions): the kernel's own, which its
+    backward reads -- not the meta kernel's, which in torch 2.9 says float32 for float64 queries."""
     if not calls:
         return {}
     named = {r: bind(func, a, kw) for r, (a, kw) in calls.items()}
@@ -160,7 +162,7 @@ def _ring_forward(func, ins, outs, calls):
         return func(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     merged = ring_forward(attend, {r: dict(n, mask=n["attn_mask"]) for r, n in named.items()}, ins,
                           first["is_causal"], first["scale"])
-    return {r: (o.to(outs[0].dtype), l.to(outs[1].dtype)) for r, (o, l) in merged.items()}
+    return {r: (o.to(outs[0].dtype), l) for r, (o, l) in merged.items()}
 
 
 def _ring_backward(func, ins, calls):
