@@ -96,8 +96,9 @@ def _assert_collective_error(rec: dict, rank: int, job) -> None:
         f"rank {rank}: the GraphError does not name the collective and the rank: {msg}"
     assert re.search(rf"task \S*all_gather\S*@r{rank} \(op all_gather, rank {rank}\)", msg), \
         f"rank {rank}: the GraphError does not name the collective's task: {msg}"
-    assert f"ranks [0] did not arrive (rank 0: it failed: GraphError: globaltensor: task " in msg and OP in msg, \
-        f"rank {rank}: the GraphError does not name the op that failed on rank 0: {msg}"
+    # rank 0 did not arrive, and why; a peer still computing on a busy machine may be named beside it
+    assert re.search(r"ranks \[0(, \d)*\] did not arrive \(rank 0: it failed: GraphError: globaltensor: task ", msg) \
+        and OP in msg, f"rank {rank}: the GraphError does not name the op that failed on rank 0: {msg}"
 
 
 def test_op_raising_on_every_rank_is_a_graph_error_on_every_rank(launch):
