@@ -25,11 +25,15 @@ def _meta(a):
     return torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
 
 
-def _like_meta(op, args, kwargs, tensors: list) -> tuple:
+def _meta_results(op, args, kwargs) -> list:
+    return list(op(*[_meta(a) for a in args], **{k: _meta(a) for k, a in kwargs.items()}))
+
+
+def _like_meta(meta_results: list, tensors: list) -> tuple:
     """The op's results in its meta kernel's structure: ``tensors`` first (the log-sum-exp fitted to
     the meta shape by the caller), the other tensor results zeros, the numbers as meta gives them."""
     results, n = [], 0
-    for m in op(*[_meta(a) for a in args], **{k: _meta(a) for k, a in kwargs.items()}):
+    for m in meta_results:
         if isinstance(m, torch.Tensor):
             results.append(tensors[n].to(m.dtype) if n < len(tensors) else torch.zeros(m.shape, dtype=m.dtype))
             n += 1
@@ -51,14 +55,14 @@ def _rows(lse: torch.Tensor, length: int) -> torch.Tensor:
 
 def _forward(op, q, k, v, bias, causal, scale, args, kwargs):
     out, lse = _cpu_forward(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-    shape = op(*[_meta(a) for a in args], **{n: _meta(a) for n, a in kwargs.items()})[1].shape
-    return _like_meta(op, args, kwargs, [out, _fit_lse(lse, shape)])
+    meta = _meta_results(op, args, kwargs)
+    return _like_meta(meta, [out, _fit_lse(lse, meta[1].shape)])
 
 
 def _backward(op, grad, q, k, v, out, lse, bias, causal, scale, args, kwargs):
     grads = _cpu_backward(grad, q, k, v, out, _rows(lse, q.shape[2]).to(q.dtype), 0.0, causal, attn_mask=bias,
                           scale=scale)
-    return _like_meta(op, args, kwargs, list(grads))
+    return _like_meta(_meta_results(op, args, kwargs), list(grads))
 
 
 def _flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):

@@ -95,11 +95,12 @@ def _forward(op):
     return rule
 
 
-def _forward_ring(op):
+def _ring_only(op, ring_candidates):
+    """The rule's head-tail candidates: the ring signature alone (it reads the chunks' positions)."""
     def rule(*args, **kwargs):
         if not _usable(op, bind(op, args, kwargs)):
             return []
-        return ring_forward_candidates(op, args, kwargs, list(op(*args, **kwargs)))
+        return ring_candidates(op, args, kwargs, list(op(*args, **kwargs)))
     return rule
 
 
@@ -117,14 +118,6 @@ def _backward(op, grad_name):
     return rule
 
 
-def _backward_ring(op):
-    def rule(*args, **kwargs):
-        if not _usable(op, bind(op, args, kwargs)):
-            return []
-        return ring_backward_candidates(op, args, kwargs, list(op(*args, **kwargs)))
-    return rule
-
-
 def _kernel(ring_kernel, q_index):
     """Ring attention where k is split on the sequence; otherwise the op on each rank's pieces."""
     def kernel(func, args, kwargs, ins, outs, calls):
@@ -137,9 +130,9 @@ def _kernel(ring_kernel, q_index):
 for _op in _FORWARD:
     if exists(_op):
         register_rule(_op, _forward(_op), kernel=_kernel(ring_forward_kernel, 0), kernel_bytes=attention_kernel_bytes(0),
-                      admit=keeps_the_work_divided(0), head_tail=_forward_ring(_op))
+                      admit=keeps_the_work_divided(0), head_tail=_ring_only(_op, ring_forward_candidates))
 for _op, _grad in _BACKWARD.items():
     if exists(_op):
         register_rule(_op, _backward(_op, _grad), kernel=_kernel(ring_backward_kernel, 1),
                       kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1),
-                      head_tail=_backward_ring(_op))
+                      head_tail=_ring_only(_op, ring_backward_candidates))
