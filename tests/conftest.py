@@ -179,10 +179,12 @@ def p2(world4):
 
 # Tests that run at the development pin only (`make test`), not at the ends of the torch range
 # (`make test-compat` deselects the ``pin_only`` marker): their subject is the library's own process
-# management, failure propagation and thread scheduling, or they repeat on launched processes what
-# another test checks on a simulated world and a 2-process one. What exercises torch itself -- ops,
-# autograd, Dynamo, gloo's collectives and timeouts, torchrun, DCP, DTensor -- runs at every end.
-# They take about a third of the suite's time, which CI's three runs could not afford.
+# management (the launcher's command line, teardown and failure propagation) and thread scheduling,
+# or they repeat on launched processes what another test checks on a simulated world and a 4-process
+# one (the 2-process world, whose ranks are fresh interpreters: at the ends, torchrun's test starts
+# such ranks). What exercises torch itself -- ops, autograd, Dynamo, gloo's collectives and
+# timeouts, torchrun, DCP, DTensor -- runs at every end. They take about a third of the suite's
+# time, which CI's three runs could not afford.
 PIN_ONLY = (
     "tests/launch/test_launch.py::test_success_sets_env_and_prefixes_every_line",
     "tests/launch/test_launch.py::test_nonzero_exit_ends_the_job_fast",
@@ -192,6 +194,9 @@ PIN_ONLY = (
     "tests/launch/test_launch.py::test_sigterm_to_the_launcher_stops_its_ranks",
     "tests/launch/test_launch.py::test_module_mode_default_port_and_given_addr",
     "tests/launch/test_launch.py::test_a_forked_rank_runs_and_ends_as_a_fresh_interpreter_would",
+    "tests/launch/test_launch.py::test_argument_error_exits_2_from_the_command_line",
+    "tests/multiprocess/test_failures.py::test_rank_calling_sys_exit_ends_the_job_before_the_collective_timeout",
+    "tests/multiprocess/test_process_world.py::test_process_world[2proc]",
     "tests/multiprocess/test_compiled.py::test_op_raising_",
     "tests/multiprocess/test_killed_rank.py::test_killed_rank_ends_a_compiled_launched_job",
     "tests/multiprocess/test_comm_profile_launched.py::",

@@ -382,6 +382,7 @@ def unclear_errors(outcomes) -> list:
 # -- the plan: which samples and recipes run for each op --------------------------------------
 
 SAMPLES_PER_OP = 3
+FIRST_RECIPES = ("split", "nd")
 SAMPLES_LOOKED_AT = 8
 FLAG_SAMPLES_LOOKED_AT = 32
 
@@ -396,13 +397,13 @@ def _flags(sample) -> tuple:
     return tuple(v for v in tree_flatten((list(sample.args), sample.kwargs))[0] if isinstance(v, bool))
 
 
-def plan(op, have: list, samples_per_op: int = SAMPLES_PER_OP) -> list:
+def plan(op, have: list, samples_per_op: int = SAMPLES_PER_OP, first_recipes: tuple = FIRST_RECIPES) -> list:
     """``(sample index, recipe, seed)`` for the op: a fixed, seeded subset (``samples_per_op`` of
     the first ``SAMPLES_LOOKED_AT``, the flag combinations beside them).
 
     Of the op's first ``SAMPLES_LOOKED_AT`` samples, the one with the most tensor dims (OpInfo
     lists 0-dim samples first) and up to two more picked at random; the first runs on
-    ``split`` and ``nd``, the others each on one recipe picked at random. Then, of its first
+    ``first_recipes`` (``split`` and ``nd``), the others each on one recipe picked at random. Then, of its first
     ``FLAG_SAMPLES_LOOKED_AT``, the first sample of every combination of boolean arguments the
     chosen ones leave out (batch norm in eval as well as in training, ``keepdim`` both ways), on a
     recipe picked at random. All choices are seeded by the op's name, so every run makes the same
@@ -414,7 +415,7 @@ def plan(op, have: list, samples_per_op: int = SAMPLES_PER_OP) -> list:
     chosen = order[:1] + rng.sample(order[1:], min(samples_per_op - 1, len(order) - 1)) if order else []
     cases = []
     for k, i in enumerate(chosen):
-        for recipe in (("split", "nd") if k == 0 else (rng.choice(RECIPES),)):
+        for recipe in (first_recipes if k == 0 else (rng.choice(RECIPES),)):
             cases.append((i, recipe, seed_of(name, i, recipe)))
     covered = {_flags(have[i]) for i in chosen}
     for i, sample in enumerate(have):
@@ -425,10 +426,10 @@ def plan(op, have: list, samples_per_op: int = SAMPLES_PER_OP) -> list:
     return cases
 
 
-def classify_op(op, cases=None, samples_per_op: int = SAMPLES_PER_OP) -> list:
+def classify_op(op, cases=None, samples_per_op: int = SAMPLES_PER_OP, first_recipes: tuple = FIRST_RECIPES) -> list:
     """``[(sample index, recipe, Outcome)]`` for the op's plan (or the given cases)."""
     have = samples(op, FLAG_SAMPLES_LOOKED_AT)
-    cases = plan(op, have, samples_per_op) if cases is None else cases
+    cases = plan(op, have, samples_per_op, first_recipes) if cases is None else cases
     return [(i, recipe, run_case(op, have[i], recipe, seed)) for i, recipe, seed in cases if i < len(have)]
 
 

@@ -16,15 +16,16 @@ running statistics, an in-place op's input) are compared after the call like its
 An op's class is its worst case's: clean < fallback (some aten op gathered to broadcast) <
 raises < wrong. On a torch other than the development pin (expectations.PINNED) only wrong
 answers and unclear errors fail: which ops decompose, and into what, differs between releases;
-and there only the richest sample runs (on the split and nd recipes, with the flag combinations):
-what a release changes is the op -- its decomposition, kernel, schema --, which that sample
-meets; the other samples widen the layouts, the library's own logic, checked at the pin (the
-ends' runs are two of CI's three). The test fails on any wrong answer, on an error globaltensor raises that is not
-a ValueError / TypeError / NotImplementedError with a message (torch's own errors above the
-dispatcher, e.g. a kernel reading a global index tensor's data, are listed with their reason), on an op worse than expected.json says,
-and on an op better than it says (so the lists shrink); regenerate them with
-``PYTHONPATH=src python tools/op_coverage.py --update-expected``. A failure names the op, the
-sample index and the layouts of its tensor arguments.
+and there only the richest sample runs, on the nd recipe (each tensor split, broadcast or partial
+along either axis of the 2x2), with the flag combinations: what a release changes is the op -- its
+decomposition, kernel, schema --, which that sample meets; the other samples and the 1-D split
+widen the layouts, the library's own logic, checked at the pin (the ends' runs are two of CI's
+three). The test fails on any wrong answer, on an error globaltensor raises that is not a
+ValueError / TypeError / NotImplementedError with a message (torch's own errors above the
+dispatcher, e.g. a kernel reading a global index tensor's data, are listed with their reason), on
+an op worse than expected.json says, and on an op better than it says (so the lists shrink);
+regenerate them with ``PYTHONPATH=src python tools/op_coverage.py --update-expected``. A failure
+names the op, the sample index and the layouts of its tensor arguments.
 """
 import pytest
 
@@ -55,7 +56,8 @@ def test_expectation_lists_name_only_opinfo_ops():
 @pytest.mark.parametrize("op", OPS, ids=run.op_id)
 def test_opinfo_op_matches_one_device(op):
     name = run.op_id(op)
-    outcomes = run.classify_op(op, samples_per_op=run.SAMPLES_PER_OP if expectations.on_pinned_torch() else 1)
+    outcomes = (run.classify_op(op) if expectations.on_pinned_torch()
+                else run.classify_op(op, samples_per_op=1, first_recipes=("nd",)))
     assert not any(o.cls == "wrong" for _, _, o in outcomes), \
         f"{name} gives a wrong answer:\n{_cases(outcomes, ('wrong',))}"
     unclear = run.unclear_errors(outcomes)
