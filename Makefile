@@ -2,6 +2,7 @@
 # `make test-compat` runs the suite against the ends of the torch range pyproject.toml declares,
 # each in a venv of its own (.venv-torch-<version>); .ci/run calls it after `make test`.
 PY      := .venv/bin/python
+UV      := .venv/bin/uv
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 # the ends of the supported range (pyproject.toml: torch>=2.9,<2.16); docs/versions.md says why
@@ -21,11 +22,11 @@ PYTEST := -m pytest -n 2 --dist worksteal
 $(PY):
 	python3 -m venv .venv
 
-# --no-compile: the dev extras' modules (transformers, jupyter's) compile when first imported, only
-# those the suite imports (the install: 85 -> 44 s)
-$(STAMP): pyproject.toml | $(PY)
+# torch by pip, from this machine's disk; the package and its dev extras by uv (below): the same
+# releases as pip picks, in 5 s against pip's 85 (their modules compile when first imported)
+$(STAMP): pyproject.toml | $(UV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(UV) pip install -q --python $(PY) -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -34,15 +35,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) $(PYTEST) tests
 
+$(UV): | $(PY)
+	$(PY) -m pip install -q uv
+
 # The ends' venvs install with uv, from PyPI: uv reads no pip configuration (so the cap at torch 2.14.1
 # on these machines does not apply), and it installs a CUDA build of several GB in a quarter of pip's
 # time and CPU (2.15.0 with the dev extras: 34 s against 185 s here). They hold the package's
 # dependencies and dev extras, not the package: test-compat imports it from src/, so no install of
 # theirs writes its metadata while the development venv's does (.ci/run builds them side by side).
-UV := .venv/bin/uv
-$(UV): | $(PY)
-	$(PY) -m pip install -q uv
-
 .venv-torch-%/.installed: pyproject.toml | $(UV)
 	test -x .venv-torch-$*/bin/python || python3 -m venv .venv-torch-$*
 	$(UV) pip install -q --python .venv-torch-$*/bin/python "torch==$*" -r pyproject.toml --extra dev

@@ -403,11 +403,11 @@ def plan(op, have: list, samples_per_op: int = SAMPLES_PER_OP, first_recipes: tu
 
     Of the op's first ``SAMPLES_LOOKED_AT`` samples, the one with the most tensor dims (OpInfo
     lists 0-dim samples first) and up to two more picked at random; the first runs on
-    ``first_recipes`` (``split`` and ``nd``), the others each on one recipe picked at random. Then, of its first
-    ``FLAG_SAMPLES_LOOKED_AT``, the first sample of every combination of boolean arguments the
-    chosen ones leave out (batch norm in eval as well as in training, ``keepdim`` both ways), on a
-    recipe picked at random. All choices are seeded by the op's name, so every run makes the same
-    ones."""
+    ``first_recipes`` (``split`` and ``nd``), the others each on one recipe picked at random. Then,
+    of its first ``FLAG_SAMPLES_LOOKED_AT``, the first sample of every combination of boolean
+    arguments the chosen ones leave out (batch norm in eval as well as in training, ``keepdim`` both
+    ways), on a recipe picked at random. All choices are seeded by the op's name, so every run makes
+    the same ones."""
     name = op_id(op)
     rng = random.Random(seed_of(name))
     first = have[:SAMPLES_LOOKED_AT]
