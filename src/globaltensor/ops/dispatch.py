@@ -165,13 +165,16 @@ def _list_arg_key(v):
             try:        # a list of global tensors, keyed in C: with grad off requires_grad decides nothing
                 return (t, tuple(map(id, map(_LAYOUT_OF, v))))
             except AttributeError:
-                pass
+                if _PLAIN.issuperset(map(type, v)):      # plain tensors only (step counts), keyed in C
+                    return (t, "T", tuple(map(_PLAIN_KEY, v)))
         return (t, tuple([(id(x._layout), x.requires_grad) if type(x) is GlobalTensor else _list_arg_key(x)
                           for x in v]))
     return _arg_key(v)
 
 
 _LAYOUT_OF = operator.attrgetter("_layout")
+_PLAIN = frozenset({torch.Tensor})
+_PLAIN_KEY = operator.attrgetter("shape", "dtype", "device", "requires_grad")
 
 
 def _dispatch_list(func, args, kwargs):

@@ -49,12 +49,14 @@ def list_kind(func) -> Optional[str]:
 
 class Slot:
     """One argument of the call: where it is, whether it holds one value per element, whether those
-    are tensors (all global ones: ``all_global``) and whether the op writes them."""
-    __slots__ = ("where", "key", "name", "per_element", "tensors", "all_global", "written")
+    are tensors (all global ones: ``all_global``; none global: ``all_plain``) and whether the op
+    writes them."""
+    __slots__ = ("where", "key", "name", "per_element", "tensors", "all_global", "all_plain", "written")
 
-    def __init__(self, where, key, name, per_element, tensors, all_global, written):
+    def __init__(self, where, key, name, per_element, tensors, all_global, all_plain, written):
         self.where, self.key, self.name = where, key, name
-        self.per_element, self.tensors, self.all_global, self.written = per_element, tensors, all_global, written
+        self.per_element, self.tensors, self.written = per_element, tensors, written
+        self.all_global, self.all_plain = all_global, all_plain
 
     def get(self, args, kwargs):
         return args[self.key] if self.where == 0 else kwargs[self.key]
@@ -105,7 +107,8 @@ def _slots(func, args, kwargs, written: set) -> tuple:
         tensors = (is_list and any(isinstance(x, torch.Tensor) for x in v)) or \
                   (isinstance(v, torch.Tensor) and not scalars)
         all_global = is_list and all(type(x) is GlobalTensor for x in v)
-        slots.append(Slot(where, key, name, is_list or scalars, tensors, all_global, name in written))
+        all_plain = is_list and tensors and not any(isinstance(x, GlobalTensor) for x in v)
+        slots.append(Slot(where, key, name, is_list or scalars, tensors, all_global, all_plain, name in written))
     return slots, n
 
 

@@ -48,6 +48,9 @@ class ListRunner:
         # a slot whose every element has a target, listed in element order: checked in one comparison
         self.whole = {s: [t for _, t in pairs] for s, pairs in self.checks if [i for i, _ in pairs] == list(range(n))}
         self.view_checked = [s for s, slot in enumerate(slots) if slot.written and slot.per_element and slot.tensors]
+        # plain tensors every rank takes as they are (the fused optimizers' step counts)
+        self.as_given = {s for s, slot in enumerate(slots)
+                         if slot.all_plain and all(targets.get((s, i)) is None for i in range(n))}
         self.shared, self.groups, self.solo, self.out_layouts = plan.shared, plan.groups, plan.solo, plan.out_layouts
         if self.out_layouts is not None:
             self.group_layouts = [[self.out_layouts[i] for i in elements] for _, elements in self.groups]
@@ -156,6 +159,8 @@ class ListRunner:
             return torch.cat([picked] * len(ranks)) if len(ranks) > 1 else picked
         if not slot.tensors:
             return [v[i] for _ in ranks for i in elements]
+        if s in self.as_given and (len(ranks) == 1 or not slot.written):
+            return (list(v) if len(elements) == len(v) else [v[i] for i in elements]) * len(ranks)
         if slot.all_global and not values:
             picked = v if len(elements) == len(v) else [v[i] for i in elements]
             pieces = list(map(_PIECES_OF, picked))
