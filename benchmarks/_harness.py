@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import queue as _queue
 import socket
 import statistics
 import sys

@@ -6,17 +6,22 @@ with CUDA graphs, and plain and global under torch.compile (needs CUDA).
 One process, one GPU, a 1-rank placement (no communication: what each library adds to the same
 step). Two sizes -- n_embd 256, 4 layers, batch 8 x 128, and n_embd 1024, 8 layers, batch 8 x 512 --
 each a whole step with AdamW (torch's default on CUDA: foreach), then split into forward + backward
-and the optimizer's step. Rounds interleaved, medians, CUDA synchronised around every call; the
-device's name heads the table. Without CUDA it says so and measures nothing.
+and the optimizer's step. Beside them, the same eager step on subclass_floor.py's *thin* wrapper
+subclass (unwrap, call, rewrap; AdamW foreach): what torch charges any Python tensor subclass for
+carrying each op into ``__torch_dispatch__``, the floor under globaltensor's and DTensor's eager
+rows. Rounds interleaved, medians, CUDA synchronised around every call; the device's name heads the
+table. Without CUDA it says so and measures nothing.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 
 import _harness as H
+from subclass_floor import thin_parameters, thin_training_class
 
 SIZES = {"n_embd 256, 4 layers, batch 8x128": (256, 4, 8, 128), "n_embd 1024, 8 layers, batch 8x512": (1024, 8, 8, 512)}
 SMALL, LARGE = "n_embd 256, 4 layers, batch 8x128", "n_embd 1024, 8 layers, batch 8x512"
@@ -32,6 +37,7 @@ def _worker(rank: int, world: int, quick: bool):
 
     if not torch.cuda.is_available():
         return {"device": None}
+    Thin = thin_training_class()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{H.free_port()}", rank=0, world_size=1)
     device = torch.device("cuda", 0)
     placement = gt.placement("cuda", [0])
@@ -47,14 +53,17 @@ def _worker(rank: int, world: int, quick: bool):
         models = {"plain": base, **models}
         for m in list(models.values())[1:]:
             m.load_state_dict(base.state_dict())
+        models["thin"] = thin_parameters(copy.deepcopy(base), Thin)
         distribute_module(models["dt"], mesh)                     # every parameter Replicate()
         for name in ("gt", "gtc", "gtg", "tc_gt"):
             gt.nn.distribute_module(models[name], placement)
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+        # foreach named for the thin side: torch's default takes it only for its listed tensor types
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, **({"foreach": True} if k == "thin" else {}))
+                for k, m in models.items()}
         dt_idx = distribute_tensor(idx, mesh, [Replicate()])
         gt_idx = gt.distribute(idx, placement, gt.sbp.broadcast)
         inputs = {"plain": idx, "dt": dt_idx, "gt": gt_idx, "gtc": gt_idx, "gtg": gt_idx, "tc_plain": idx,
-                  "tc_gt": gt_idx}
+                  "tc_gt": gt_idx, "thin": Thin(idx)}
         losses = {k: torch.compile(m.loss) if k.startswith("tc_") else m.loss for k, m in models.items()}
 
         def fwd_bwd(k):
@@ -79,8 +88,8 @@ def _worker(rank: int, world: int, quick: bool):
             return run
         reps = dict(warmup=3, repeats=3 if quick else 10, inner=2 if quick else 5, sync=False)
         whole = H.timed_many({k: synced(lambda k=k: steps[k](inputs[k], inputs[k])) for k in models}, **reps)
-        parts = {f"{k} fwd+bwd": synced(lambda k=k: fwd_bwd(k)) for k in ("plain", "gt", "tc_plain", "tc_gt")}
-        parts.update({f"{k} step": synced(opts[k].step) for k in ("plain", "gt")})
+        parts = {f"{k} fwd+bwd": synced(lambda k=k: fwd_bwd(k)) for k in ("plain", "gt", "thin", "tc_plain", "tc_gt")}
+        parts.update({f"{k} step": synced(opts[k].step) for k in ("plain", "gt", "thin")})
         split = H.timed_many(parts, **reps)
         results["rows"][label] = {**whole, **split}
     dist.destroy_process_group()
@@ -93,14 +102,17 @@ def report(res) -> None:
         return
     rows, parts = [], []
     for label, t in res["rows"].items():
-        rows.append([label, H.fmt(t["plain"]), H.fmt(t["dt"]), H.fmt(t["gt"]), H.fmt(t["gtc"]), H.fmt(t["gtg"]),
-                     H.ratio(t["gt"], t["dt"]), H.ratio(t["gtc"], t["plain"]), H.ratio(t["gtg"], t["plain"])])
-        parts.append([label, H.fmt(t["plain fwd+bwd"]), H.fmt(t["gt fwd+bwd"]), H.fmt(t["plain step"]),
-                      H.fmt(t["gt step"]), H.ratio(t["gt step"], t["plain step"])])
-    print(H.table(["GPT", "plain ms", "DTensor ms", "gt eager ms", "gt compiled ms", "gt CUDA graphs ms",
-                   "gt eager / DTensor", "compiled / plain", "CUDA graphs / plain"], rows,
+        rows.append([label, H.fmt(t["plain"]), H.fmt(t["thin"]), H.fmt(t["dt"]), H.fmt(t["gt"]), H.fmt(t["gtc"]),
+                     H.fmt(t["gtg"]), H.ratio(t["thin"], t["plain"]), H.ratio(t["gt"], t["dt"]),
+                     H.ratio(t["gtc"], t["plain"]), H.ratio(t["gtg"], t["plain"])])
+        parts.append([label, H.fmt(t["plain fwd+bwd"]), H.fmt(t["thin fwd+bwd"]), H.fmt(t["gt fwd+bwd"]),
+                      H.fmt(t["plain step"]), H.fmt(t["thin step"]), H.fmt(t["gt step"]),
+                      H.ratio(t["thin step"], t["plain step"]), H.ratio(t["gt step"], t["plain step"])])
+    print(H.table(["GPT", "plain ms", "thin ms", "DTensor ms", "gt eager ms", "gt compiled ms", "gt CUDA graphs ms",
+                   "thin / plain (floor)", "gt eager / DTensor", "compiled / plain", "CUDA graphs / plain"], rows,
                   f"## GPT step with AdamW on {res['device']}, a 1-rank placement"))
-    print(H.table(["GPT", "plain fwd+bwd", "gt fwd+bwd", "plain AdamW step", "gt AdamW step", "gt / plain step"],
+    print(H.table(["GPT", "plain fwd+bwd", "thin fwd+bwd", "gt fwd+bwd", "plain AdamW step", "thin AdamW step",
+                   "gt AdamW step", "thin / plain step (floor)", "gt / plain step"],
                   parts, "## forward + backward and the optimizer's step"))
     compiled = [[label, H.fmt(t["tc_plain"]), H.fmt(t["tc_gt"]), H.ratio(t["tc_gt"], t["tc_plain"]),
                  H.fmt(t["tc_plain fwd+bwd"]), H.fmt(t["tc_gt fwd+bwd"]), H.ratio(t["tc_gt fwd+bwd"], t["tc_plain fwd+bwd"])]
@@ -120,16 +132,28 @@ GOALS = {
 }
 
 
+# a measured row's name in run_all.py's table
+LABELS = {"plain": "plain", "dt": "DTensor", "tc_plain": "torch.compile plain", "plain step": "plain AdamW step",
+          "thin": "thin subclass", "thin step": "thin subclass AdamW step"}
+
+# goal -> the thin subclass's row over the same peer: the floor of any Python subclass under the goal
+FLOORS = {"gt eager step <= DTensor's": "thin", "gt AdamW step <= 1.2x plain torch's": "thin step"}
+
+
 def verdicts(res) -> list:
-    """One line per goal: ``VERDICT met|short <goal> (<ratio at each size>)``."""
+    """One line per goal: ``VERDICT met|short <goal> (<ratio at each size>)``, and where an eager
+    subclass's floor bounds the goal, the thin subclass's ratio over the same peer."""
     if res["device"] is None:
         return [f"VERDICT not measured {goal} (no CUDA device)" for goal in GOALS]
+
+    def shown(key, peer, sizes):
+        return ", ".join(f"{size.split(',')[0]}: {res['rows'][size][key] / res['rows'][size][peer]:.2f}x"
+                         for size in sizes)
     out = []
     for goal, (ours, peer, sizes, most) in GOALS.items():
-        ratios = {size: res["rows"][size][ours] / res["rows"][size][peer] for size in sizes}
-        met = all(r <= most for r in ratios.values())
-        shown = ", ".join(f"{size.split(',')[0]}: {r:.2f}x" for size, r in ratios.items())
-        out.append(f"VERDICT {'met' if met else 'short'} {goal} ({shown})")
+        met = all(res["rows"][size][ours] / res["rows"][size][peer] <= most for size in sizes)
+        floor = f"; a thin subclass: {shown(FLOORS[goal], peer, sizes)}" if goal in FLOORS else ""
+        out.append(f"VERDICT {'met' if met else 'short'} {goal} ({shown(ours, peer, sizes)}{floor})")
     return out
 
 

@@ -3,10 +3,13 @@
     .venv/bin/python benchmarks/optimizer.py [--quick] [--embd 256] [--nproc 2]
 
 Each of ``nproc`` gloo processes holds the GPT of actor_runtime.py (n_embd 256, 4 layers) and steps
-AdamW over it three ways, rounds interleaved: plain torch over local tensors, globaltensor over global
+AdamW over it four ways, rounds interleaved: plain torch over local tensors, globaltensor over global
 parameters, DTensor over DTensor parameters -- broadcast / ``Replicate`` (every rank updates the whole
-model, as in data parallelism: the same work on each side) -- with ``foreach=True`` and with
-``fused=True``. The gradients are set once; the steps only update. globaltensor runs each foreach (or
+model, as in data parallelism: the same work on each side) -- and subclass_floor.py's *thin* wrapper
+subclass (it only unwraps, calls and rewraps: what torch charges any Python subclass to carry a list op
+into ``__torch_dispatch__``, the floor under globaltensor's and DTensor's step), with ``foreach=True``
+and with ``fused=True``. ``--embd 32`` makes the tensors small enough that the step is its per-op
+costs, as a GPU's launch-bound step is. The gradients are set once; the steps only update. globaltensor runs each foreach (or
 fused) op as one local call per group of parameters sharing placement, device and dtype; the script
 counts those calls (one per op here: one group) and checks that each side's parameters match plain
 torch's after the same steps. Then, in one process, the foreach step on 1 and 4 simulated ranks beside
@@ -19,6 +22,7 @@ import sys
 
 import _harness as H
 from actor_runtime import GPT_EMBD, GPT_HEADS, GPT_LAYERS, GPT_VOCAB
+from subclass_floor import thin_training_class
 
 
 def _params(embd: int):
@@ -63,6 +67,7 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
     from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
     import globaltensor as gt
 
+    Thin = thin_training_class()
     values = _params(embd)
     placement = gt.placement("cpu", list(range(world)))
     mesh = init_device_mesh("cpu", (world,))
@@ -72,11 +77,13 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
         "plain": [v.clone().requires_grad_() for v in values],
         "gt": [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values],
         "dt": [distribute_tensor(v.clone(), mesh, [Replicate()]).requires_grad_() for v in values],
+        "thin": [Thin(v.clone(), requires_grad=True) for v in values],
     }
     for name, ps in sides.items():
         for p, gr in zip(ps, grads):
             p.grad = gt.distribute(gr, placement, gt.sbp.broadcast) if name == "gt" else \
-                distribute_tensor(gr, mesh, [Replicate()]) if name == "dt" else gr.clone()
+                distribute_tensor(gr, mesh, [Replicate()]) if name == "dt" else Thin(gr.clone()) if name == "thin" \
+                else gr.clone()
     result = {"params": len(values), "numel": sum(v.numel() for v in values), "times": {}, "calls": {}}
     for mode in ("foreach", "fused"):
         kw = {"foreach": True} if mode == "foreach" else {"fused": True}
@@ -85,13 +92,14 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
                              warmup=3, repeats=5 if quick else 15, inner=2 if quick else 5)
         result["times"].update(times)
         calls = _local_calls(opts["gt"].step)            # one more step: the others take it too
-        opts["plain"].step()
-        opts["dt"].step()
+        for name in ("plain", "dt", "thin"):
+            opts[name].step()
         result["calls"][mode] = calls
     want = sides["plain"]
+    whole = {"gt": lambda p: p.full_tensor(), "dt": lambda p: p.full_tensor(), "thin": lambda p: p._piece}
     with torch.no_grad():
-        result["max diff gt"] = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sides["gt"], want))
-        result["max diff dt"] = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(sides["dt"], want))
+        for name, read in whole.items():
+            result[f"max diff {name}"] = max(float((read(p) - w).abs().max()) for p, w in zip(sides[name], want))
     return result
 
 
@@ -137,16 +145,18 @@ def report(res) -> None:
     t = res["times"]
     rows = []
     for mode in ("foreach", "fused"):
-        plain, gt_, dt = t[f"plain {mode}"], t[f"gt {mode}"], t[f"dt {mode}"]
-        rows.append([f"AdamW {mode}", H.fmt(plain), H.fmt(gt_), H.fmt(dt), f"{H.paired_ratio(gt_, plain):.3f}x",
-                     f"{H.paired_ratio(gt_, dt):.3f}x"])
-    print(H.table(["step", "plain ms", "gt ms", "DTensor ms", "gt / plain", "gt / DTensor"], rows,
+        plain, gt_, dt, thin = (t[f"{k} {mode}"] for k in ("plain", "gt", "dt", "thin"))
+        rows.append([f"AdamW {mode}", H.fmt(plain), H.fmt(thin), H.fmt(gt_), H.fmt(dt),
+                     f"{H.paired_ratio(thin, plain):.3f}x", f"{H.paired_ratio(gt_, plain):.3f}x",
+                     f"{H.paired_ratio(gt_, thin):.3f}x", f"{H.paired_ratio(gt_, dt):.3f}x"])
+    print(H.table(["step", "plain ms", "thin ms", "gt ms", "DTensor ms", "thin / plain (floor)", "gt / plain",
+                   "gt / thin", "gt / DTensor"], rows,
                   f"## AdamW step over {res['params']} parameters ({res['numel']:,} elements), broadcast"))
     for mode, calls in res["calls"].items():
         print(f"gt local calls per call of the {mode} step's ops: " +
               ", ".join(f"{k} {v:g}" for k, v in sorted(calls.items())))
     print(f"largest difference from plain torch after the same steps: gt {res['max diff gt']:.2e}, "
-          f"DTensor {res['max diff dt']:.2e}")
+          f"DTensor {res['max diff dt']:.2e}, thin {res['max diff thin']:.2e}")
 
 
 def main(argv=None) -> int:

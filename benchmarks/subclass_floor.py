@@ -26,7 +26,7 @@ import _harness as H
 from actor_runtime import GPT_BATCH, GPT_EMBD, GPT_HEADS, GPT_LAYERS, GPT_LR, GPT_SEQ, GPT_VOCAB
 
 
-def _thin_training_class():
+def thin_training_class():
     """A wrapper subclass that unwraps its pieces (and one level of lists), calls the op and
     rewraps every tensor result, keeping ``requires_grad``: the floor of a trainable subclass."""
     import torch
@@ -58,7 +58,7 @@ def _thin_training_class():
     return Thin
 
 
-def _thin_parameters(model, Thin):
+def thin_parameters(model, Thin):
     """``model`` with every parameter a ``Thin`` one."""
     import torch
 
@@ -92,14 +92,14 @@ def _worker_hybrid(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> 
 
     from hybrid_gpt import megatron_shards
 
-    Thin = _thin_training_class()
+    Thin = thin_training_class()
     base, idx, tgt = _gpt_and_half_batch(embd)
 
     def identity(x):
         return x
 
     plain = megatron_shards(base, 0, 2, identity, identity)
-    thin = _thin_parameters(megatron_shards(base, 0, 2, identity, identity), Thin)
+    thin = thin_parameters(megatron_shards(base, 0, 2, identity, identity), Thin)
 
     def stepper(model, i, t):
         opt = torch.optim.SGD(model.parameters(), lr=GPT_LR)
@@ -119,14 +119,14 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD) -> dict:
 
     import globaltensor as gt
 
-    Thin = _thin_training_class()
+    Thin = thin_training_class()
     base, idx, tgt = _gpt_and_half_batch(embd)
 
     def stepper(model, i, t):
         opt = torch.optim.SGD(model.parameters(), lr=GPT_LR)
         return lambda: H.sgd_step(model, opt, i, t)
 
-    plain, thin, glob = copy.deepcopy(base), _thin_parameters(copy.deepcopy(base), Thin), copy.deepcopy(base)
+    plain, thin, glob = copy.deepcopy(base), thin_parameters(copy.deepcopy(base), Thin), copy.deepcopy(base)
     p1 = gt.placement("cpu", [0])
     gt.nn.distribute_module(glob, p1)
     S = gt.sbp.split
