@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from .boxing import Layout, execute, plan_boxing
+from .compat.aot_cache import stable_cache_hash
 from .compat.dynamo import constant, trace_through
 from .boxing.executor import ready
 from .comm import collective_call, get_world
@@ -249,6 +250,8 @@ class GlobalTensor(torch.Tensor):
             if not hasattr(GlobalTensor, name):
                 setattr(GlobalTensor, name, property(lambda t, r=r: t._pieces[r], doc=f"rank {r}'s piece"))
         return names, (self._layout, ranks)
+
+    _stable_hash_for_caching = stable_cache_hash
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, context: tuple, outer_size, outer_stride) -> "GlobalTensor":
