@@ -205,6 +205,7 @@ PIN_ONLY = (
     "tests/docs/test_examples.py::",
     "tests/docs/test_notebook.py::",
     "tests/actor_rt/test_deadlock_freedom.py::",
+    "tests/actor_rt/test_flow_control.py::",
     "tests/actor_rt/test_simulated_scale.py::",
     "tests/boxing/test_repeated_launched.py::",
 )
