@@ -9,11 +9,12 @@ model, as in data parallelism: the same work on each side) -- and subclass_floor
 subclass (it only unwraps, calls and rewraps: what torch charges any Python subclass to carry a list op
 into ``__torch_dispatch__``, the floor under globaltensor's and DTensor's step), with ``foreach=True``
 and with ``fused=True``. ``--embd 32`` makes the tensors small enough that the step is its per-op
-costs, as a GPU's launch-bound step is. The gradients are set once; the steps only update. globaltensor runs each foreach (or
-fused) op as one local call per group of parameters sharing placement, device and dtype; the script
-counts those calls (one per op here: one group) and checks that each side's parameters match plain
-torch's after the same steps. Then, in one process, the foreach step on 1 and 4 simulated ranks beside
-plain torch's over as many copies of the parameters (``_worker_sim``).
+costs, as a GPU's launch-bound step is. The gradients are set once; the steps only update.
+globaltensor runs each foreach (or fused) op as one local call per group of parameters sharing
+placement, device and dtype; the script counts those calls (one per op here: one group) and checks
+that each side's parameters match plain torch's after the same steps. Then, in one process, the
+foreach step on 1 and 4 simulated ranks beside plain torch's over as many copies of the parameters
+(``_worker_sim``).
 """
 from __future__ import annotations
 
