@@ -146,14 +146,16 @@ def verdicts(res) -> list:
     if res["device"] is None:
         return [f"VERDICT not measured {goal} (no CUDA device)" for goal in GOALS]
 
-    def shown(key, peer, sizes):
-        return ", ".join(f"{size.split(',')[0]}: {res['rows'][size][key] / res['rows'][size][peer]:.2f}x"
-                         for size in sizes)
+    def ratios(key, peer, sizes) -> dict:
+        return {size: res["rows"][size][key] / res["rows"][size][peer] for size in sizes}
+
+    def shown(r: dict) -> str:
+        return ", ".join(f"{size.split(',')[0]}: {v:.2f}x" for size, v in r.items())
     out = []
     for goal, (ours, peer, sizes, most) in GOALS.items():
-        met = all(res["rows"][size][ours] / res["rows"][size][peer] <= most for size in sizes)
-        floor = f"; a thin subclass: {shown(FLOORS[goal], peer, sizes)}" if goal in FLOORS else ""
-        out.append(f"VERDICT {'met' if met else 'short'} {goal} ({shown(ours, peer, sizes)}{floor})")
+        r = ratios(ours, peer, sizes)
+        floor = f"; a thin subclass: {shown(ratios(FLOORS[goal], peer, sizes))}" if goal in FLOORS else ""
+        out.append(f"VERDICT {'met' if all(v <= most for v in r.values()) else 'short'} {goal} ({shown(r)}{floor})")
     return out
 
 
