@@ -32,6 +32,7 @@ import long_context
 import models
 import optimizer
 import scale
+import soak
 import subclass_floor
 import torch_compile
 import tp_mlp
@@ -80,6 +81,8 @@ JOBS = {
     "long_context": ("per-rank peak memory of a T=4096 causal GPT step split on the sequence over 4 processes "
                      "(ring attention) against one device", long_context.measure),
     "gpu": ("GPT training step on one GPU (CUDA only)", lambda q: H.spawn(gpu._worker, 0, q)),
+    "soak": ("a training run's length: 10,000 steps eager and compiled on 4 simulated ranks, 1,000 on 2 "
+             "processes (--quick: 1,000 and 500)", soak.measure),
 }
 
 
@@ -175,20 +178,22 @@ def floor_rows(step: str, embd: int) -> Callable[[dict], list]:
 
 
 def optimizer_rows(res) -> list:
-    """The optimizer step over global parameters beside plain torch's and DTensor's, and its local calls;
-    the thin subclass's step beside plain torch's (the floor of any Python subclass, no goal)."""
+    """The optimizer step over global parameters (its update on the pieces) beside plain torch's and
+    DTensor's, and the global ops it dispatches; the thin subclass's step beside plain torch's (the
+    floor of a step through any Python subclass, no goal)."""
     t, out = res["times"], []
     for mode in ("foreach", "fused"):
         ours, plain, dt, thin = t[f"gt {mode}"], t[f"plain {mode}"], t[f"dt {mode}"], t[f"thin {mode}"]
         out.append(row(f"AdamW {mode} step, GPT parameters (2 procs) vs plain torch", f"{H.fmt(ours)} ms",
-                       f"plain {H.fmt(plain)} ms", H.paired_ratio(ours, plain), 1.2))
+                       f"plain {H.fmt(plain)} ms", H.paired_ratio(ours, plain), 1.1))
         out.append(row(f"AdamW {mode} step, GPT parameters (2 procs) vs DTensor", f"{H.fmt(ours)} ms",
                        f"DTensor {H.fmt(dt)} ms", H.paired_ratio(ours, dt), 1.0))
         out.append([f"AdamW {mode} step, GPT parameters (2 procs): thin subclass vs plain torch",
                     f"{H.fmt(thin)} ms", f"plain {H.fmt(plain)} ms", f"{H.paired_ratio(thin, plain):.3f}x",
                     "floor, no goal", "-"])
-    calls = max(v for mode in res["calls"].values() for v in mode.values())
-    out.append(row("local calls per foreach / fused call vs layout groups (1)", f"{calls:g}", "groups 1", calls, 1.0))
+    dispatched = max(res["calls"].values())
+    out.append(["global ops one AdamW step dispatches (its update on pieces)", f"{dispatched}", "-", "-", "0",
+                "met" if dispatched == 0 else "short"])
     return out
 
 
@@ -216,7 +221,7 @@ def optimizer_sim_rows(res) -> list:
     """The foreach AdamW step on simulated ranks beside plain torch's over as many parameter copies."""
     return [row(f"AdamW foreach step, GPT parameters ({n} simulated rank{'s' if n > 1 else ''}) vs plain torch",
                 f"{H.fmt(r['times']['gt'])} ms", f"plain {H.fmt(r['times']['plain'])} ms",
-                H.paired_ratio(r["times"]["gt"], r["times"]["plain"]), 1.2) for n, r in res.items()]
+                H.paired_ratio(r["times"]["gt"], r["times"]["plain"]), 1.1) for n, r in res.items()]
 
 
 def torch_compile_rows(part: str, res) -> list:
@@ -225,6 +230,14 @@ def torch_compile_rows(part: str, res) -> list:
     with contextlib.redirect_stdout(io.StringIO()):
         torch_compile.report(part, res, summary)
     return [[f"torch.compile {r[0]}"] + r[1:] for r in summary]
+
+
+def soak_rows(res) -> list:
+    """soak.py's goals, one row each (its tables are not printed here)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        verdicts = soak.verdicts(res)
+    return [[f"soak: {goal}", detail, "-", "-", "goal", "met" if met else "short"]
+            for goal, (met, detail) in verdicts.items()]
 
 
 def scale_rows(res) -> list:
@@ -283,6 +296,7 @@ MEASURES = [
     Measure("local_map", local_map_rows),
     Measure("long_context", long_context_rows),
     Measure("gpu", gpu_rows),
+    Measure("soak", soak_rows),
 ]
 
 

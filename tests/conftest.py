@@ -10,6 +10,7 @@ The fixture ``launch_tools`` gives the lower-level helpers (``run_job``, ``job_e
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -59,6 +60,10 @@ class LaunchResult:
         """The stdout lines of ``rank``, without their ``[rank N] `` prefix."""
         prefix = f"[rank {rank}] "
         return [line[len(prefix):] for line in self.stdout.splitlines() if line.startswith(prefix)]
+
+    def records(self, ranks: Sequence[int], prefix: str = "GT ") -> list:
+        """The JSON records ``ranks`` printed as ``GT {json}`` lines, rank by rank."""
+        return [json.loads(line[len(prefix):]) for r in ranks for line in self.lines(r) if line.startswith(prefix)]
 
     def describe(self, tail: int = OUTPUT_TAIL_LINES) -> str:
         def last(text):

@@ -16,7 +16,9 @@ from .from_local import distribute, install_tensor_methods, to_global
 from .tensor import GlobalTensor
 from .ops import arange, empty, full, manual_seed, ones, rand, randn, register_rule, zeros
 from .ops.explicit import ImplicitBoxingError, explicit
+from .ops.dispatch import dispatch_cache_clear, dispatch_cache_info, set_dispatch_cache_size
 from .ops.executor.lists import install_foreach_support
+from .nn.optim_pieces import install_optimizer_pieces
 from .inspect import boxing_plan
 from .viz import render_sharding, visualize
 from . import nn
@@ -27,6 +29,7 @@ from .interop import from_dtensor, install_dcp_protocol, install_to_dtensor, to_
 
 install_tensor_methods()
 install_foreach_support()
+install_optimizer_pieces()
 install_to_dtensor()
 install_dcp_protocol()
 
@@ -40,4 +43,5 @@ __all__ = [
     "to_dtensor", "from_dtensor",
     "comm_profile", "CommProfile", "set_log_level",
     "set_timeout", "set_check", "CollectiveError", "ConsistencyError", "calibrate", "explicit", "ImplicitBoxingError",
+    "dispatch_cache_info", "dispatch_cache_clear", "set_dispatch_cache_size",
 ]

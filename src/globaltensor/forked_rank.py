@@ -55,18 +55,27 @@ class ForkedRank:
         self.stdout = os.fdopen(out_r, "rb")
         self.stderr = os.fdopen(err_r, "rb")
         self.returncode: Optional[int] = None
+        # one reaper at a time, as subprocess.Popen: a thread blocked in wait() and a poll() elsewhere
+        # would race for the child, the loser's waitpid failing (ECHILD)
+        self._reaping = threading.Lock()
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+        """The exit status, or None while it runs (or while another thread's wait() reaps it)."""
+        if self.returncode is None and self._reaping.acquire(blocking=False):
+            try:
+                if self.returncode is None:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                    if pid:
+                        self.returncode = os.waitstatus_to_exitcode(status)
+            finally:
+                self._reaping.release()
         return self.returncode
 
     def wait(self) -> int:
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
+        with self._reaping:
+            if self.returncode is None:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
 

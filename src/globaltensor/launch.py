@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -226,20 +227,29 @@ def describe_exit(code: int) -> str:
 def monitor(procs: List[subprocess.Popen], timeout: Optional[float]) -> tuple:
     """Wait until every rank succeeded, one failed, or the time ran out.
 
-    Returns ``("ok", [])``, ``("failed", [ranks that failed])`` or ``("timeout", [ranks still running])``.
+    Returns ``("ok", [])``, ``("failed", [the rank that failed first])`` or ``("timeout", [ranks still
+    running])``. A thread per rank waits for it, so the ranks' ends come in the order they happen: a
+    rank killed, then its peer exiting on the broken collective a few milliseconds later, is reported
+    as the killed rank -- a poll every few tens of milliseconds would see both at once and could not
+    tell which came first.
     """
+    ended: "queue.Queue" = queue.Queue()
+    for r, p in enumerate(procs):
+        threading.Thread(target=lambda r=r, p=p: ended.put((r, p.wait())), name=f"rank {r} waiter",
+                         daemon=True).start()
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            return "failed", failed
-        running = [r for r, c in enumerate(codes) if c is None]
-        if not running:
-            return "ok", []
+    left = set(range(len(procs)))
+    while left:
         if deadline is not None and time.monotonic() >= deadline:
-            return "timeout", running
-        time.sleep(POLL_S)
+            return "timeout", sorted(left)
+        try:
+            r, code = ended.get(timeout=POLL_S)      # short waits: the launcher's signal handlers run between
+        except queue.Empty:
+            continue
+        left.discard(r)
+        if code != 0:
+            return "failed", [r]
+    return "ok", []
 
 
 def _exit_code_of(code: int) -> int:

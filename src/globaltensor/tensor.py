@@ -14,6 +14,7 @@ from .boxing import Layout, execute, plan_boxing
 from .compat.aot_cache import stable_cache_hash
 from .compat.dynamo import constant, trace_through
 from .boxing.executor import ready
+from .boxing.interned import intern
 from .comm import collective_call, get_world
 from .comm import current as _current
 from .observe.context import run_labelled
@@ -184,13 +185,17 @@ class GlobalTensor(torch.Tensor):
     @property
     def grad(self):
         """The gradient in this tensor's layout (partial axes as broadcast): an accumulated
-        partial gradient is reduced here, once, when it is read."""
+        partial gradient is reduced here, once, when it is read. A gradient already in it takes
+        the tensor's interned layout object (and so does the tensor), so that the next read -- an
+        optimizer's step reads each gradient several times -- is an identity check."""
         g = _grad_slot.__get__(self)
         if g.__class__ is GlobalTensor and g._layout is not self._layout:     # the same object: nothing to do
             want = gradient_layout(self._layout)
             if g._layout != want:
                 g = run_labelled("grad read", box, g, want)
                 _grad_slot.__set__(self, g)
+            elif want is self._layout:
+                g._layout = self._layout = intern(want)
         return g
 
     @grad.setter
@@ -274,12 +279,10 @@ class GlobalTensor(torch.Tensor):
         ``grad_sbp`` names another.
         """
         if grad_sbp is None and not (self.requires_grad and torch.is_grad_enabled()):
-            try:
-                direct = _directs[id(self._layout), placement, sbp]
-            except (KeyError, TypeError):   # TypeError: an sbp given as a list
-                direct = None
-            if direct is None or direct.world is not _current._world:
-                direct = _Direct.make(self, placement, sbp)
+            direct = _direct_of(self, placement, sbp)
+            if direct is None:
+                self._layout = intern(self._layout)      # a fresh equal layout (each batch's) finds its entry
+                direct = _direct_of(self, placement, sbp) or _Direct.make(self, placement, sbp)
             return direct.run(self)
         target = self._target(placement, sbp)
         grad_layout = None
@@ -320,7 +323,7 @@ class _Direct:
     @staticmethod
     def make(t: GlobalTensor, placement, sbp) -> "_Direct":
         d = _Direct()
-        d.source = t._layout            # kept: its id is part of the key
+        d.source = t._layout            # interned, and kept: its id is part of the key
         d.target = t._target(placement, sbp)
         d.world = get_world()
         d.ready = None if d.source == d.target else ready(plan_boxing(d.source, d.target), d.world)
@@ -349,8 +352,17 @@ class _Direct:
         return wrap_result(self.target, out, self.device, piece)
 
 
-_directs: dict = {}     # (id(source layout), placement, sbp) as given to to_global -> _Direct
+_directs: dict = {}     # (id(interned source layout), placement, sbp) as given to to_global -> _Direct
 _DIRECTS_MAX = 4096
+
+
+def _direct_of(t: GlobalTensor, placement, sbp) -> Optional[_Direct]:
+    """The entry for ``t``'s layout object (None: none, or one made in another world)."""
+    try:
+        direct = _directs.get((id(t._layout), placement, sbp))
+    except TypeError:                   # an sbp given as a list
+        return None
+    return direct if direct is not None and direct.world is _current._world else None
 
 
 def _pick_rank(rank: Optional[int]) -> int:

@@ -180,12 +180,15 @@ def _one_weight_model(p1, optimizer):
     return w, opt, training_step(lambda x: (x @ w).square().mean(), opt)
 
 
-def test_changing_lr_captures_again_with_a_warning(p1):
+def test_a_changed_lr_is_read_by_the_graph_and_a_changed_flag_captures_again(p1):
+    """SGD's settings are read by the graph at each run (nn/optim_pieces.py): a new lr and momentum are
+    used by the next call with no capture; a flag the graph holds (``nesterov``) captures again, with a
+    warning."""
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)     # noqa: E731
     w_e, opt_e, step_e = _one_weight_model(p1, sgd)
     w_c, opt_c, step_c = _one_weight_model(p1, sgd)
     g = gt.compile(step_c)
-    xs = [gt.randn(8, 3, placement=p1, sbp=S(0)) for _ in range(6)]
+    xs = [gt.randn(8, 3, placement=p1, sbp=S(0)) for _ in range(7)]
     for i in range(3):
         with warnings.catch_warnings():
             warnings.simplefilter("error")         # no warning while nothing changes
@@ -193,18 +196,26 @@ def test_changing_lr_captures_again_with_a_warning(p1):
         step_e(xs[i])
     assert g.captures == 1
     for opt in (opt_e, opt_c):
-        opt.param_groups[0]["lr"] = 0.05
-    with pytest.warns(UserWarning, match="hyper-parameters"):
-        g(xs[3])
-    step_e(xs[3])
-    assert g.captures == 2
-    torch.testing.assert_close(w_c.full_tensor(), w_e.full_tensor(), rtol=1e-12, atol=0,
-                               msg=lambda m: f"the step after the change used the new lr: {m}")
+        opt.param_groups[0].update(lr=0.05, momentum=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        g(xs[3])
+    step_e(xs[3])
+    assert g.captures == 1
+    torch.testing.assert_close(w_c.full_tensor(), w_e.full_tensor(), rtol=1e-12, atol=0,
+                               msg=lambda m: f"the step after the change used the new lr: {m}")
+    for opt in (opt_e, opt_c):
+        opt.param_groups[0].update(nesterov=True, dampening=0.0)
+    with pytest.warns(UserWarning, match="hyper-parameters changed"):
         g(xs[4])
     step_e(xs[4])
-    assert g.captures == 2, "the new lr's graph is kept"
+    assert g.captures == 2
+    torch.testing.assert_close(w_c.full_tensor(), w_e.full_tensor(), rtol=1e-12, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g(xs[5])
+    step_e(xs[5])
+    assert g.captures == 2, "the new graph is kept"
     torch.testing.assert_close(w_c.full_tensor(), w_e.full_tensor(), rtol=1e-12, atol=0)
 
 

@@ -77,5 +77,8 @@ def test_the_plan_of_a_cpu_step_shows_its_segments(p1):
     compute = [t for t in plan.tasks if compute_stream(t.stream)]       # the one shared stream "cpu"
     assert len(plan.segments) == len(compute) > 0
     assert not any(s.capturable for s in plan.segments)
-    assert all(s.reason.startswith(("CPU tensors", "a collective")) for s in plan.segments)
+    assert all(s.reason.startswith(("CPU tensors", "a collective")) for s in plan.segments
+               if "SGD update on pieces" not in s.reason)
+    assert [s.reason for s in plan.segments if s.reason.startswith("host code")] == [
+        next(f"host code ({t.name})" for t in plan.tasks if "SGD update on pieces" in t.name)]
     assert f"compute segments: {len(compute)}, 0 capturable as CUDA graphs" in repr(plan)

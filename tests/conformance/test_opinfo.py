@@ -26,6 +26,10 @@ dispatcher, e.g. a kernel reading a global index tensor's data, are listed with 
 an op worse than expected.json says, and on an op better than it says (so the lists shrink);
 regenerate them with ``PYTHONPATH=src python tools/op_coverage.py --update-expected``. A failure
 names the op, the sample index and the layouts of its tensor arguments.
+
+The same run holds every rule to the dispatch cache's key (tests/key_check.py): each decision made
+is made again with every number the key takes by its type only (an ``alpha``, a fill) changed, and
+must offer and choose the same signatures -- else the rule reads a value it must declare ``keyed=``.
 """
 import pytest
 
@@ -34,6 +38,7 @@ pytest.importorskip("expecttest", reason="torch's OpInfo database imports expect
 
 import expectations  # noqa: E402
 import opinfo_run as run  # noqa: E402
+from key_check import value_free_keys_checked  # noqa: E402
 
 OPS = run.load_ops()
 LISTED = expectations.load()
@@ -56,8 +61,10 @@ def test_expectation_lists_name_only_opinfo_ops():
 @pytest.mark.parametrize("op", OPS, ids=run.op_id)
 def test_opinfo_op_matches_one_device(op):
     name = run.op_id(op)
-    outcomes = (run.classify_op(op) if expectations.on_pinned_torch()
-                else run.classify_op(op, samples_per_op=1, first_recipes=("nd",)))
+    with value_free_keys_checked() as findings:
+        outcomes = (run.classify_op(op) if expectations.on_pinned_torch()
+                    else run.classify_op(op, samples_per_op=1, first_recipes=("nd",)))
+    assert not findings, f"{name}:\n" + "\n".join(dict.fromkeys(findings))
     assert not any(o.cls == "wrong" for _, _, o in outcomes), \
         f"{name} gives a wrong answer:\n{_cases(outcomes, ('wrong',))}"
     unclear = run.unclear_errors(outcomes)

@@ -139,17 +139,20 @@ def _unlisted(op_name: str):
     from globaltensor.ops import dispatch
     from globaltensor.ops.schema import written_args
     listed = written_args.HANDLED.pop(op_name)
-    dispatch._CACHE.clear()
+    dispatch.CACHE.clear()
     try:
         yield
     finally:
         written_args.HANDLED[op_name] = listed
-        dispatch._CACHE.clear()
+        dispatch.CACHE.clear()
 
 
 def _unlisted_fused_step():
+    """The fused AdamW op on global tensors (an optimizer's step runs it on the pieces, not here)."""
     with _unlisted("aten._fused_adamw_.default"):
-        _fused_step([gt.distribute(torch.zeros(8, 4), p4(), S(0)).requires_grad_()])
+        lists = [[gt.distribute(torch.zeros(8, 4), p4(), S(0))] for _ in range(4)]
+        torch.ops.aten._fused_adamw_.default(*lists, [], [torch.zeros(())], lr=0.1, beta1=0.9, beta2=0.999,
+                                             weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 
 
 def _flash_attention_with_dropout():
@@ -398,6 +401,10 @@ CASES = {
     "rule-candidate-unreadable": lambda: gt.register_rule(relu, ["S(0) -> X"]),
     "rule-candidate-no-arrow": lambda: gt.register_rule(relu, ["S(0)"]),
     "rule-function": lambda: gt.register_rule(relu, ["S(0) -> S(0)"], local="rows"),
+    "rule-keyed": lambda: gt.register_rule(relu, ["S(0) -> S(0)"], keyed=["value"]),
+    "rule-keyed-name": lambda: gt.register_rule(torch.ops.aten.masked_fill.Scalar, ["S(0), S(0) -> S(0)"],
+                                                keyed={"fill": None}),
+    "dispatch-cache-size": lambda: gt.set_dispatch_cache_size(1),
     # modules and optimizers
     "plan-type": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), "colwise"),
     "plan-entry": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), [("weight", S(0), "extra")]),

@@ -47,6 +47,7 @@ S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 REL = 1e-12          # compiled vs eager, relative to the eager piece's largest magnitude (float64)
 STEPS = 4            # a compiled function's calls: warm-up, capture + first run, then graph runs
 OP = "gt_mp_compiled.maybe_fail"
+RANK0_SLEEP_S = 90   # fail-rank0-alive: rank 0 stays alive this long after its error (the job must end first)
 
 
 # -- a custom op that raises inside the graph when told to -----------------------------------------
@@ -501,7 +502,8 @@ def run_fail_rank0(stay_alive):
     emit("fail_rank0_error", graph_error=str(err) if err is not None else None, other=other,
          seconds=round(seconds, 3), cause=type(err.__cause__).__name__ if err is not None else None)
     if gt.rank() == 0 and stay_alive:
-        time.sleep(90)       # the others' all-gather times out; the launcher ends this process after them
+        emit("rank0_sleeps", at=time.time(), seconds=RANK0_SLEEP_S)
+        time.sleep(RANK0_SLEEP_S)   # the others' all-gather times out; the launcher ends this process after them
     if err is not None:
         raise err            # uncaught: exit code 1, the op (rank 0) or the collective (others) named
     sys.exit(3)

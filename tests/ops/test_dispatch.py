@@ -113,19 +113,21 @@ def test_repeated_op_reuses_its_decision(monkeypatch):
     with gt.simulate(4):
         x, w = lay(torch.randn(12, 5), S(0)), lay(torch.randn(5, 7), B)
         y1 = torch.mm(x, w)
-        n = len(dispatch._CACHE)
+        n = len(dispatch.CACHE)
         decided = list(calls)
         for _ in range(3):
             y = torch.mm(x, w)
-        assert calls == decided and len(dispatch._CACHE) == n          # hits, no new decisions
+        assert calls == decided and len(dispatch.CACHE) == n          # hits, no new decisions
         torch.testing.assert_close(y.full_tensor(), y1.full_tensor())
         x2 = lay(torch.randn(12, 5), S(0), seed=1)                     # other values, same layout: a hit
         torch.mm(x2, w)
         assert calls == decided
         torch.mm(lay(torch.randn(12, 5), S(1)), w)                      # another layout: a new decision
-        assert calls == decided + [aten.mm.default] and len(dispatch._CACHE) == n + 1
+        assert calls == decided + [aten.mm.default] and len(dispatch.CACHE) == n + 1
         x.add(1.0)
-        x.add(2.0)                                                       # a scalar is part of the key
+        x.add(2.0)                                         # a scalar operand enters the key by its type
+        assert calls.count(aten.add.Tensor) == 1
+        x.add(2)                                           # an int promotes otherwise: a key of its own
         assert calls.count(aten.add.Tensor) == 2
 
 

@@ -108,15 +108,29 @@ def test_an_element_without_a_plain_signature_runs_on_its_own(p1):
         torch.testing.assert_close(o.full_tensor(), w, rtol=1e-15, atol=0)
 
 
+def test_a_foreach_op_without_a_per_tensor_op_takes_the_fallback(p1):
+    """``_foreach_maximum_`` (Adam's amsgrad and Adamax under ``foreach=True``): there is no ``maximum_``
+    to run each element through, so the call takes the gather fallback -- equal to one device, every
+    written element in its own layout."""
+    xs, ys = _tensors(9, SHAPES), _tensors(10, SHAPES)
+    sbps = [S(0), S(0), S(1), B, B]
+    gx, gy = _lay_out(xs, p1, sbps), _lay_out(ys, p1, sbps)
+    torch._foreach_maximum_(gx, gy)
+    torch._foreach_maximum_(xs, ys)
+    for g, x, sbp in zip(gx, xs, sbps):
+        assert g.sbp == (sbp,)
+        torch.testing.assert_close(g.full_tensor(), x, **EXACT)
+
+
 def test_repeated_calls_with_new_numbers_reuse_one_decision(p1):
     from globaltensor.ops import dispatch
     gx = _lay_out(_tensors(7, SHAPES), p1, [S(0)] * 4 + [B])
     torch._foreach_mul_(gx, [1.0] * 5)
-    before = len(dispatch._CACHE)
+    before = len(dispatch.CACHE)
     for step in range(5):
         torch._foreach_mul_(gx, [1.0 + step / 8] * 5)      # bias corrections change every step
         torch._foreach_add_(gx, 0.125 * step)
-    assert len(dispatch._CACHE) == before + 1            # the add's decision; the mul's was there
+    assert len(dispatch.CACHE) == before + 1            # the add's decision; the mul's was there
 
 
 def test_torch_optim_defaults_for_global_parameters_as_for_plain_ones(p1):

@@ -161,13 +161,14 @@ def test_a_rule_that_cannot_keep_a_written_layout_falls_back_and_keeps_the_write
 def test_an_unlisted_aten_op_with_unreturned_writes_raises_naming_its_arguments(p1):
     from globaltensor.ops import dispatch
     listed = written_args.HANDLED.pop("aten._fused_sgd_.default")
-    dispatch._CACHE.clear()
+    dispatch.CACHE.clear()
     try:
-        w = gt.distribute(torch.zeros(8, 4), p1, S(0)).requires_grad_()
-        w.grad = torch.ones_like(w)
+        w = gt.distribute(torch.zeros(8, 4), p1, S(0))
+        g, buf = torch.ones_like(w), torch.zeros_like(w)
         with pytest.raises(NotImplementedError, match=r"_fused_sgd_.default writes arguments it does not "
                                                       r"return \(self, grads, momentum_buffer_list\)"):
-            torch.optim.SGD([w], lr=0.1, fused=True).step()
+            torch.ops.aten._fused_sgd_.default([w], [g], [buf], weight_decay=0.0, momentum=0.9, lr=0.1,
+                                               dampening=0.0, nesterov=False, maximize=False, is_first_step=True)
     finally:
         written_args.HANDLED["aten._fused_sgd_.default"] = listed
-        dispatch._CACHE.clear()
+        dispatch.CACHE.clear()

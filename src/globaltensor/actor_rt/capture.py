@@ -102,9 +102,12 @@ def storage_key(t: torch.Tensor) -> Optional[tuple]:
 
 
 class Tracer(TorchDispatchMode):
-    def __init__(self, leaves: list, on_leaf=None):
+    def __init__(self, leaves: list, on_leaf=None, optimizer_tasks: bool = True):
         super().__init__()
         self.on_leaf = on_leaf          # called with every pre-existing global leaf that requires grad
+        # an elementwise optimizer's update recorded as one task reading its settings at each run
+        # (nn/optim_pieces.py); False: recorded op by op in its capturable form (inside CUDA graphs)
+        self.optimizer_tasks = optimizer_tasks
         self.nodes: list = []
         self.values: dict = {}
         self.vid_of: dict = {}          # id(tensor) -> vid (its latest value)
@@ -118,6 +121,7 @@ class Tracer(TorchDispatchMode):
         self.created: list = []         # weakrefs to GlobalTensors made during the capture
         self.seen: dict = {}            # id(wrapper) -> (weakref, pieces when first seen), those made before
         self.labels: list = []
+        self.settings: list = []        # (group, key, index) read by tasks at each run (nn/optim_pieces.py)
         self.suspended = False
         self.segment, self.backward = 0, False
         self.world = get_world()
@@ -276,10 +280,15 @@ class Tracer(TorchDispatchMode):
             node.stream = "copy"
         return out
 
-    def task(self, target, tensors: tuple) -> tuple:
-        """Run ``target`` (a mapped function's task, nn/mapped_call.py) on ``tensors`` unrecorded inside,
-        and record it as one task of its rank; its tensor results."""
+    def task(self, target, tensors: tuple, writes: tuple = (), settings: tuple = ()) -> tuple:
+        """Run ``target`` (a mapped function's task, nn/mapped_call.py; an optimizer's update on pieces,
+        nn/optim_pieces.py) on ``tensors`` unrecorded inside, and record it as one task of its rank; its
+        tensor results. ``writes``: the tensors among them it writes in place (put back after the dry
+        run, and ordered against their other readers and writers); ``settings``: the optimizer settings
+        ``(group, key, index)`` it reads at each run (no new capture when they change)."""
         inputs = [self._vid(t) for t in tensors]
+        self._save_before_write(writes)
+        self.settings.extend(settings)
         self.suspended = True
         try:
             outs = target(*tensors)
@@ -287,7 +296,7 @@ class Tracer(TorchDispatchMode):
             self.suspended = False
         self._phase()
         node = self._op_node(target, (tuple(Ref(v) for v in inputs), {}), inputs, list(outs), list(range(len(outs))),
-                             target.rank, ())
+                             target.rank, tuple({storage_key(t) for t in writes} - {None}))
         node.device = outs[0].device if outs else tensors[0].device if tensors else None
         return outs
 
@@ -412,11 +421,12 @@ def _template(tree, ref, storages: dict):
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def capture(fn, args: tuple, kwargs: dict, on_leaf=None) -> Captured:
+def capture(fn, args: tuple, kwargs: dict, on_leaf=None, optimizer_tasks: bool = True) -> Captured:
     """Run ``fn(*args, **kwargs)`` once as a dry run and return what it did as a Captured graph;
-    ``on_leaf(t)`` is told of each parameter-like tensor (a global leaf requiring grad) it meets."""
+    ``on_leaf(t)`` is told of each parameter-like tensor (a global leaf requiring grad) it meets;
+    ``optimizer_tasks``: see :class:`Tracer`."""
     leaves = tree_flatten((args, kwargs))[0]
-    tracer = Tracer(leaves, on_leaf)
+    tracer = Tracer(leaves, on_leaf, optimizer_tasks)
     previous_observer = observe_collectives(tracer.collective)
     previous_creation = observe_creation(tracer.created_tensor)
     previous_keys = rng.make_keys_with(tracer.keys)
@@ -443,4 +453,4 @@ def capture(fn, args: tuple, kwargs: dict, on_leaf=None) -> Captured:
             returned.add(id(g))
     del result, out_leaves
     return Captured(tracer.nodes, tracer.values, outputs, out_spec, tracer.rebinds(returned), grad_rebinds,
-                    consumed, tuple(tracer.world.local_ranks))
+                    consumed, tuple(tracer.world.local_ranks), tuple(tracer.settings))

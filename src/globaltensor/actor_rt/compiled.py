@@ -3,8 +3,10 @@
 One graph per argument meta (position, placement, sbp, shape, dtype, requires_grad of every
 tensor; the value of every other argument), cached. For a new meta the first call runs ``fn``
 eagerly (``warmup``: optimizers create their state, lazily built buffers appear), the next one
-captures it (a dry run, see capture.py) and every call from then on runs the graph. A graph is
-captured again when the plain-number hyper-parameters of an optimizer it steps have changed.
+captures it (a dry run, see capture.py) and every call from then on runs the graph. The settings of
+an elementwise optimizer over global parameters (its learning rate, betas, weight decay, ...) are read
+by the graph at each run (nn/optim_pieces.py); a graph is captured again when another plain-number
+setting of an optimizer it steps has changed.
 
 Outputs come back as global tensors (detached: the backward belongs inside ``fn``); global
 tensors that ``fn`` reaches and updates (parameters, gradients, optimizer state) are updated
@@ -31,7 +33,7 @@ from .cuda_graphs import graph_backend
 from .inspect import PlanView, chrome_trace, dot
 from .lower import lower
 from .program import Program
-from .optim import capturable_optimizers, hyper_parameters
+from .optim import capturable_optimizers, hyper_parameters, live_keys
 from .runtime import Runtime
 from .segments import plan_segments
 
@@ -90,9 +92,11 @@ def micro_batch(leaf, i: int, m: int, j: int):
 class _Graph:
     """One captured meta: its program, runtime and the optimizers it steps."""
 
-    def __init__(self, program: Program, runtime: Runtime, optimizers: list, consumed: int, out_spec):
+    def __init__(self, program: Program, runtime: Runtime, optimizers: list, consumed: int, out_spec,
+                 live: frozenset = frozenset()):
         self.program, self.runtime, self.optimizers, self.out_spec = program, runtime, optimizers, out_spec
-        self.hyper = hyper_parameters(optimizers)
+        self.live = live                     # settings its tasks read at each run (actor_rt/optim.py)
+        self.hyper = hyper_parameters(optimizers, live)
         self.consumed = consumed
         self.slots: list = []              # the sink refs, by result slot
         self.outputs, self.rebinds, self.grad_rebinds = [], [], []
@@ -176,9 +180,10 @@ class CompiledFunction:
             leaves, spec = _flatten(args, kwargs)
             key = (spec, tuple(_meta(x) for x in leaves))
             graph = self._graphs.get(key)
-            if graph is not None and hyper_parameters(graph.optimizers) != graph.hyper:
-                warnings.warn("gt.compile: an optimizer's hyper-parameters changed since the capture; capturing "
-                              "again (pass lr as a tensor to change it without a new capture)", stacklevel=3)
+            if graph is not None and hyper_parameters(graph.optimizers, graph.live) != graph.hyper:
+                warnings.warn("gt.compile: an optimizer's hyper-parameters changed since the capture, and the graph "
+                              "holds them; capturing again (an elementwise torch.optim optimizer's settings are read "
+                              "at each run, except under cuda_graphs=True: there pass lr as a tensor)", stacklevel=3)
                 self._graphs.pop(key).runtime.close()
                 graph = None
             if graph is None:
@@ -258,8 +263,9 @@ class CompiledFunction:
         stepped: list = []
         buckets = GradBuckets(self.bucket_bytes) if m == 1 and self.bucket_bytes else None
         try:
-            with capturable_optimizers(stepped):
-                cap = capture(self.fn, args, kwargs, on_leaf=buckets.watch if buckets else None)
+            with capturable_optimizers(stepped, on_pieces=not self.cuda_graphs):
+                cap = capture(self.fn, args, kwargs, on_leaf=buckets.watch if buckets else None,
+                              optimizer_tasks=not self.cuda_graphs)
         finally:
             if buckets is not None:
                 buckets.close()
@@ -280,7 +286,7 @@ class CompiledFunction:
             raise RuntimeError(f"gt.compile(cuda_graphs=True): no compute task of this step can be captured into a "
                                f"CUDA graph ({'; '.join(reasons) or 'no compute tasks'}); compile without "
                                f"cuda_graphs, or place the step's tensors on a CUDA placement")
-        graph = _Graph(program, runtime, stepped, cap.rng_consumed, cap.out_spec)
+        graph = _Graph(program, runtime, stepped, cap.rng_consumed, cap.out_spec, live_keys(cap.settings))
         self.captures += 1
         return graph
 

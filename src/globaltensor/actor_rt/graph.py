@@ -88,3 +88,4 @@ class Captured:
     grad_rebinds: list             # (argument leaf index, layout, {rank: vid}): the argument's .grad
     rng_consumed: int              # random counters one call reserves
     held_ranks: Tuple[int, ...]
+    settings: tuple = ()           # (group, key, index): optimizer settings tasks read at each run

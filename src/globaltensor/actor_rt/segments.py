@@ -7,8 +7,9 @@ maximal runs of tasks that need the host at neither end:
   stream's event first), and so does one ordered after another stream's task;
 - a task whose value another stream reads ends its segment (the event is recorded after it);
 - a task that cannot be captured -- on a CPU device, a collective (a pipeline stage's inline
-  send), or a mapped call (``gt.local_map``'s host code, which keeps an autograd graph per call)
-  -- is a segment of its own, uncapturable, with the reason;
+  send), or host code (``gt.local_map``'s mapped call, which keeps an autograd graph per call; an
+  optimizer's update on pieces, nn/optim_pieces.py, which reads its settings at each run) -- is a
+  segment of its own, uncapturable, with the reason;
 - with ``cut_every=n``, a segment also ends every ``n`` tasks of its stream (where the stream's
   generated code starts a new function, stream_code.py).
 
@@ -54,7 +55,7 @@ def _uncapturable(task, device_type: str) -> str:
         return f"a collective ({task.name}) runs on the compute stream"
     target = getattr(task.node, "target", None)
     if target is not None and not isinstance(target, (torch._ops.OpOverload, str)):
-        return f"a mapped call ({task.name}) runs host code"
+        return f"host code ({task.name})"
     if task.device is None or getattr(task.device, "type", "cpu") != device_type:
         return f"CPU tensors ({task.name})" if device_type == "cuda" else f"not on {device_type} ({task.name})"
     return ""

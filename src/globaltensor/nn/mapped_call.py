@@ -31,7 +31,8 @@ class _Running(threading.local):
 
 
 _running = _Running()
-_capture = None         # the capture running now (actor_rt's Tracer): .task(target, tensors), .see(global tensor)
+_capture = None         # the capture running now (actor_rt's Tracer): .task(target, tensors, writes=, settings=),
+                        # .see(global tensor), .optimizer_tasks (nn/optim_pieces.py)
 
 
 def running_rank() -> Optional[int]:

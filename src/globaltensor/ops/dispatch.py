@@ -1,12 +1,13 @@
-"""``__torch_dispatch__`` for global tensors: the cache key of a call, the cache, and the call into the
-decide stages (ops/decide/: route -> candidates -> cost, a :class:`Decision`) and the executor
+"""``__torch_dispatch__`` for global tensors: the cache of decisions, and the call into the decide
+stages (ops/decide/: route -> candidates -> cost, a :class:`Decision`) and the executor
 (ops/executor/: box inputs -> local op or kernel on each rank's pieces -> wrap).
 
 The decision for a call (chosen signature, target layouts of the inputs, output layouts, how to
-run it) is cached on the op, the inputs' layouts, which of them autograd records and the
-non-tensor arguments, so a repeated op costs one dictionary look-up before the local ops run.
-Output meta comes from the op on meta tensors of the global shapes (schema/out_meta.py), never
-on full-size data.
+run it) is cached under the call's key (call_key.py: the op, the inputs' layouts, which of them
+autograd records and the non-tensor arguments that can change the decision -- not a number that
+only scales or fills), so a repeated op costs one dictionary look-up before the local ops run. The
+cache is bounded, least recently used out first (decision_cache.py). Output meta comes from the op
+on meta tensors of the global shapes (schema/out_meta.py), never on full-size data.
 
 A signature costs the bytes that box its inputs; when autograd records the op, also the
 bytes that bring each input's gradient back to the input's layout. Without that, an eager
@@ -23,28 +24,26 @@ gather-to-broadcast fallback.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from ..observe import context as attribution
 from ..observe.consistency import CHECK as _check
 from ..observe.log import log_signature, signatures_logged
 from ..tensor import GlobalTensor, set_dispatcher
-from .boxed_copy import copy_layout
+from .call_key import cacheable, call_key
 from .consistency import confirm_op
 from .decide import Decision, candidates, choose, cost, decide_list, on_pieces, route, through_twin
+from .decision_cache import CacheInfo, DecisionCache
 from .executor import runner
 from .explicit import explicit
 from .executor.decompose import decomposed_calls, decomposing  # noqa: F401  (the coverage table reads the calls)
-from .interned import intern as _intern
+from ..boxing.interned import intern as _intern
 from .registry import on_rules_changed
-from .schema.args import SCALARS
 from .writes.inplace import has_functional
 
-_CACHE: dict = {}
-_UNCACHEABLE = object()
-_KEYWORDS = object()             # separates positional from keyword arguments in a key
+CACHE = DecisionCache()
+_recent = CACHE.recent
+_hits = 0                               # the hot path's hits (CACHE counts those of its own look-ups)
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -57,131 +56,59 @@ def _recording():
     return _grad_enabled()
 
 
-def _arg_key(v):
-    t = type(v)
-    if t is GlobalTensor:
-        if v._boxed is not None:
-            return (id(v._layout), v.requires_grad, copy_layout(v))
-        return (id(v._layout), True) if v.requires_grad else id(v._layout)
-    if t in SCALARS:
-        return (t, v)
-    if t is list or t is tuple:
-        return (t, tuple(map(_arg_key, v)))
-    if isinstance(v, torch.Tensor):
-        return ("T", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
-    return _UNCACHEABLE
-
-
-def _cacheable(key) -> bool:
-    if key is _UNCACHEABLE:
-        return False
-    if type(key) is tuple:
-        return all(_cacheable(k) for k in key)
-    return True
-
-
-def _key(func, args, kwargs, arg_key=None) -> tuple:
-    """The cache key of a call. The op and the global inputs' layouts enter by ``id``: both hash
-    in Python, and ids are cheap. A layout's id stands for the layout only once it is interned
-    (interned layouts live as long as the process); keys are stored only then. The cached
-    decision holds the op, so its id is not reused while the entry lives. ``arg_key``: how an
-    argument enters (:func:`_arg_key`; a list op's, :func:`_list_arg_key`)."""
-    arg_key = arg_key or _arg_key
-    key = [id(func), "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
-    key.extend(map(arg_key, args))
-    if kwargs:
-        key.append(_KEYWORDS)
-        key.extend((k, arg_key(v)) for k, v in kwargs.items())
-    return tuple(key)
-
-
 def dispatch(cls, func, types, args=(), kwargs=None):
+    global _hits
     if attribution.on and attribution.entering_op():      # a comm_profile is open, or boxings are logged
         return attribution.within_op(dispatch, cls, func, types, args, kwargs)
     if _check.enabled:
         confirm_op(func, args, kwargs)
-    fid = id(func)
-    if fid in _LIST_OPS:
-        return _dispatch_list(func, args, kwargs or {})
-    # the hit path is ``_key`` inlined for global tensors without a kept copy, one look-up
-    key = [fid, "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
-    for v in args:
-        if type(v) is GlobalTensor and v._boxed is None:
-            key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
-        else:
-            key.append(_arg_key(v))
-    if kwargs:
-        key.append(_KEYWORDS)
-        key.extend((k, _arg_key(v)) for k, v in kwargs.items())
-    else:
+    if kwargs is None:
         kwargs = {}
-    decision = _CACHE.get(tuple(key))
+    decision = _recent.get(call_key(func, args, kwargs))
     if decision is None:
-        decision = _looked_up(func, args, kwargs, _key)
+        decision = _looked_up(func, args, kwargs)
+    else:
+        _hits += 1
     return decision.run(args, kwargs)
 
 
 def decision_for(func, args, kwargs=None) -> Decision:
     """The Decision ``dispatch`` runs for this call, made (and cached) if it is new; ``decision.run``
     is the executor's runner of it. ``gt.compile``'s capture reads it to label what it records."""
-    return _looked_up(func, args, kwargs or {}, _list_key if id(func) in _LIST_OPS else _key)
+    return _looked_up(func, args, kwargs or {})
 
 
-def _looked_up(func, args, kwargs, key_of) -> Decision:
+def _looked_up(func, args, kwargs) -> Decision:
     """The cached decision of the call, made on a miss: the inputs' layouts are interned first, so
     that equal layouts of other objects give the same key from now on."""
     _intern_inputs(args, kwargs)
-    key = key_of(func, args, kwargs)
-    decision = _CACHE.get(key)
+    key = call_key(func, args, kwargs)
+    decision = CACHE.get(key)
     if decision is None:
+        CACHE.misses += 1
         decision = decide(func, args, kwargs)
         decision.run = runner(decision)
-        if decision.route == "list" and key_of is _key:
-            _LIST_OPS.add(id(func))            # the decision holds the op: its id is not reused
-            key = _list_key(func, args, kwargs)
-        if _cacheable(key):
-            _CACHE[key] = decision
+        if cacheable(key):
+            CACHE.store(key, decision)
     return decision
 
 
-_LIST_OPS: set = set()          # ids of the list ops met so far: keyed without their numbers
+def dispatch_cache_info() -> CacheInfo:
+    """The dispatch cache's hits, misses, size and maxsize (as ``functools.lru_cache``'s
+    ``cache_info``): a steady training loop shows a flat size and no new misses."""
+    return CACHE.info(_hits)
 
 
-def _list_key(func, args, kwargs) -> tuple:
-    """The cache key of a list op: its tensors' layouts, its numbers by type only. Learning rates,
-    betas and the bias corrections in a ``ScalarList`` change every step, and a list op's decision
-    (its elements' signatures) does not depend on their values."""
-    return _key(func, args, kwargs, _list_arg_key)
+def dispatch_cache_clear() -> None:
+    """Drop every cached decision and zero the counts (the next call of each op decides again)."""
+    global _hits
+    CACHE.clear()
+    _hits = 0
 
 
-def _list_arg_key(v):
-    t = type(v)
-    if t is float or t is int:
-        return t
-    if t is list or t is tuple:
-        if v and type(v[0]) in (float, int):          # a ScalarList: its length only
-            return (t, float, len(v))
-        if not _grad_enabled():
-            try:        # a list of global tensors, keyed in C: with grad off requires_grad decides nothing
-                return (t, tuple(map(id, map(_LAYOUT_OF, v))))
-            except AttributeError:
-                if _PLAIN.issuperset(map(type, v)):      # plain tensors only (step counts), keyed in C
-                    return (t, "T", tuple(map(_PLAIN_KEY, v)))
-        return (t, tuple([(id(x._layout), x.requires_grad) if type(x) is GlobalTensor else _list_arg_key(x)
-                          for x in v]))
-    return _arg_key(v)
-
-
-_LAYOUT_OF = operator.attrgetter("_layout")
-_PLAIN = frozenset({torch.Tensor})
-_PLAIN_KEY = operator.attrgetter("shape", "dtype", "device", "requires_grad")
-
-
-def _dispatch_list(func, args, kwargs):
-    decision = _CACHE.get(_list_key(func, args, kwargs))
-    if decision is None:
-        decision = _looked_up(func, args, kwargs, _list_key)
-    return decision.run(args, kwargs)
+def set_dispatch_cache_size(maxsize: int) -> None:
+    """Keep at most ``maxsize`` decisions (default decision_cache.MAXSIZE), least recently used out first."""
+    CACHE.resize(maxsize)
 
 
 def _intern_inputs(args, kwargs) -> None:
@@ -211,4 +138,4 @@ def decide(func, args, kwargs) -> Decision:
 
 
 set_dispatcher(dispatch)
-on_rules_changed(_CACHE.clear)
+on_rules_changed(CACHE.drop_all)

@@ -33,6 +33,11 @@ sequence split): the cost model adds them to the candidate's boxing. ``admit``: 
 candidate is right only for some layouts of the call, ``admit(inputs' layouts as they come, their
 layouts under the candidate) -> bool`` leaves out the others (sdpa: no signature that gathers the
 queries or takes a rank's attention work away, as a head split with fewer heads than ranks would).
+``keyed``: the numbers the candidates read, where the schema makes them a factor or a fill
+(``Scalar``, ``float``): ``{argument name: function of its value}`` -- the function's result enters
+the dispatch cache's key (ops/call_key.py), None for the value itself. Without it such a number
+enters by its type only, so a rule that reads one must say so (``masked_fill`` keeps a partial sum
+only for a zero fill: ``keyed={"value": is_zero}``).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import torch
 
 from ..sbp import as_signature
 from ..compat.torch_ops import MissingOp, aten  # noqa: F401  (the rule modules take aten from here)
+from .schema.op_record import record
 
 
 
@@ -57,6 +63,7 @@ class Rule:
     kernel_bytes: Optional[Callable] = None
     admit: Optional[Callable] = None
     head_tail: object = None
+    keyed: Optional[dict] = None
 
 
 RULES: dict = {}
@@ -78,7 +85,7 @@ def _overloads(op) -> list:
 
 
 def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False,
-                  out_meta=None, kernel_bytes=None, admit=None, head_tail=None):
+                  out_meta=None, kernel_bytes=None, admit=None, head_tail=None, keyed=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
@@ -86,9 +93,9 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     """
     def install(fn):
         _check_rule(ops, fn, {"local": local, "kernel": kernel, "out_meta": out_meta, "kernel_bytes": kernel_bytes,
-                              "admit": admit})
+                              "admit": admit}, keyed)
         rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta,
-                    kernel_bytes, admit, head_tail)
+                    kernel_bytes, admit, head_tail, keyed)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule
@@ -101,7 +108,7 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     return candidates
 
 
-def _check_rule(ops, candidates, hooks: dict) -> None:
+def _check_rule(ops, candidates, hooks: dict, keyed) -> None:
     """Bad arguments fail here, at registration, not at the op's first call."""
     for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
         if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, MissingOp)):
@@ -118,6 +125,17 @@ def _check_rule(ops, candidates, hooks: dict) -> None:
     for name, fn in hooks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"register_rule: {name}= must be a function, got {fn!r}")
+    if keyed is not None and not (isinstance(keyed, dict) and all(
+            isinstance(k, str) and (f is None or callable(f)) for k, f in keyed.items())):
+        raise TypeError(f"register_rule: keyed= must map argument names to a function of the value (or None), "
+                        f"got {keyed!r}")
+    for op in (ops if isinstance(ops, (list, tuple)) else [ops]) if keyed else ():
+        for overload in _overloads(op):
+            names = record(overload).names
+            unknown = sorted(set(keyed) - set(names))
+            if unknown:
+                raise ValueError(f"register_rule(keyed=) for {overload}: no argument named {unknown}; its arguments "
+                                 f"are {list(names)}")
 
 
 _TAGGED: list = []

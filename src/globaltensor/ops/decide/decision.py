@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from ...boxing import Layout
-from ..interned import intern
+from ...boxing.interned import intern
 from ..schema.op_record import record
 from .candidates import Problem
 from .route import Route

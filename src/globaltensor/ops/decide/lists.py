@@ -27,7 +27,7 @@ from ...boxing import Layout
 from ...sbp import broadcast
 from ...tensor import GlobalTensor
 from ..foreach import element_call
-from ..interned import intern
+from ...boxing.interned import intern
 from ..schema.args import get
 from ..schema.op_record import record
 

@@ -36,7 +36,7 @@ import torch
 
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
-from .attention_cost import attention_kernel_bytes, keeps_the_work_divided
+from .attention_cost import DROPOUT, attention_kernel_bytes, keeps_the_work_divided
 from .ring_attention import ring_backward, ring_forward, seq_axes
 
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -178,6 +178,8 @@ def _ring_backward(func, ins, calls):
 
 
 register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel,
-              kernel_bytes=attention_kernel_bytes(0), admit=keeps_the_work_divided(0), head_tail=_sequence_forward)
+              kernel_bytes=attention_kernel_bytes(0), admit=keeps_the_work_divided(0), head_tail=_sequence_forward,
+              keyed=DROPOUT)
 register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
-              kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1), head_tail=_sequence_backward)
+              kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1), head_tail=_sequence_backward,
+              keyed=DROPOUT)

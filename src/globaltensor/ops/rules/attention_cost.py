@@ -4,7 +4,12 @@ position among the op's tensor arguments (0 in a forward, 1 in a backward, after
 key and value follow it."""
 from __future__ import annotations
 
+from .common import is_zero
 from .ring_attention import ring_bytes, seq_axes
+
+#: every attention rule's ``keyed=``: with dropout the candidates differ (none on CPU's kernel; an
+#: error on CUDA's, whose mask is drawn per rank), so a zero and a non-zero ``dropout_p`` key apart
+DROPOUT = {"dropout_p": is_zero}
 
 
 def attention_kernel_bytes(q_index: int):

@@ -36,7 +36,7 @@ import torch
 
 from ...compat.torch_ops import exists
 from ..registry import aten, register_rule
-from .attention_cost import attention_kernel_bytes, keeps_the_work_divided
+from .attention_cost import DROPOUT, attention_kernel_bytes, keeps_the_work_divided
 from .attention_cuda_ring import (ring_backward_candidates, ring_backward_kernel, ring_forward_candidates,
                                   ring_forward_kernel)
 from .common import B, P, S, bind, sig, tensors_of
@@ -130,9 +130,10 @@ def _kernel(ring_kernel, q_index):
 for _op in _FORWARD:
     if exists(_op):
         register_rule(_op, _forward(_op), kernel=_kernel(ring_forward_kernel, 0), kernel_bytes=attention_kernel_bytes(0),
-                      admit=keeps_the_work_divided(0), head_tail=_ring_only(_op, ring_forward_candidates))
+                      admit=keeps_the_work_divided(0), head_tail=_ring_only(_op, ring_forward_candidates),
+                      keyed=DROPOUT)
 for _op, _grad in _BACKWARD.items():
     if exists(_op):
         register_rule(_op, _backward(_op, _grad), kernel=_kernel(ring_backward_kernel, 1),
                       kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1),
-                      head_tail=_ring_only(_op, ring_backward_candidates))
+                      head_tail=_ring_only(_op, ring_backward_candidates), keyed=DROPOUT)

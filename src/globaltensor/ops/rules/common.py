@@ -26,6 +26,12 @@ def sig(inputs, outputs) -> Signature:
     return Signature(tuple(inputs), tuple(outputs))
 
 
+def is_zero(v) -> bool:
+    """For ``register_rule(keyed=)``: whether a number argument is zero (a tensor given there: False),
+    where a rule's candidates differ for zero (a zero fill keeps a partial sum)."""
+    return not isinstance(v, torch.Tensor) and v == 0
+
+
 def norm_dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 

@@ -23,7 +23,7 @@ import torch
 from ..schema.op_record import record
 from ..registry import aten, register_rule, register_tag_rule
 from ...sbp import broadcast_shape
-from .common import B, P, S, bind, sig, tensors_of, widening
+from .common import B, P, S, bind, is_zero, sig, tensors_of, widening
 
 # op name -> groups of arguments (by schema name) that may be partial together
 _SELF = [("self",)]
@@ -125,7 +125,8 @@ def _register_all():
         if packet is not None:
             for overload in packet.overloads():
                 op = getattr(packet, overload)
-                register_rule(op, _pointwise(name, op), blocked=True)
+                register_rule(op, _pointwise(name, op), blocked=True,
+                              keyed={"value": is_zero} if name in ("masked_fill", "masked_fill_") else None)
 
 
 _register_all()

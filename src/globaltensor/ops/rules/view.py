@@ -35,7 +35,7 @@ import torch
 from ...compat.torch_ops import prims
 from ..registry import aten, register_rule
 from ...sbp.shape import numel
-from .common import B, P, S, bind, each_dim_kept, norm_dim, sig
+from .common import B, P, S, bind, each_dim_kept, is_zero, norm_dim, sig
 
 
 
@@ -303,7 +303,8 @@ def _pad_pieces(func, args, kwargs, ins, outs, calls):
             if a[0].numel() == 0 else func(*a, **kw) for r, (a, kw) in calls.items()}
 
 
-register_rule(aten.constant_pad_nd.default, _constant_pad, kernel=None if _pads_empty_pieces() else _pad_pieces)
+register_rule(aten.constant_pad_nd.default, _constant_pad, kernel=None if _pads_empty_pieces() else _pad_pieces,
+              keyed={"value": is_zero})
 
 
 @register_rule(aten.unfold.default)

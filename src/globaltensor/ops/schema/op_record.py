@@ -49,7 +49,7 @@ class OpRecord:
     one_fresh_tensor: bool     # returns one Tensor that aliases nothing
     device_args: tuple         # Arg of every ``Device`` argument (out_meta puts its meta tensors on meta)
     functional: object         # the out-of-place twin of an in-place / out= op (OpOverload), else None
-    per_tensor: Optional[tuple]    # a ``_foreach_*`` op's per-tensor op: (packet, positional capacity, keywords)
+    per_tensor: Optional[tuple]    # a ``_foreach_*`` op's per-tensor op: (packet, capacity, keywords, out_is_self)
     by_name: dict = field(default=None, compare=False, hash=False, repr=False)     # name -> Arg
 
     def get(self, args, kwargs, name: str, default=None):
@@ -221,17 +221,29 @@ def _functional_twin(func, schema, written: tuple):
 
 def _per_tensor(func) -> Optional[tuple]:
     """A ``_foreach_*`` op's per-tensor op packet (``_foreach_add_`` -> ``add_``), how many positional
-    arguments its overloads take at most, and its keyword-only argument names in order (None for
-    any other op).
+    arguments its overloads take at most, its keyword-only argument names in order, and whether an
+    element's call writes its first tensor through ``out=`` (None for any other op).
 
     ``_foreach_addcdiv_(self, t1, t2, scalars)`` passes positionally what ``addcdiv_`` takes as
-    ``value=``: arguments past the capacity go to the keyword-only ones."""
+    ``value=``: arguments past the capacity go to the keyword-only ones. An in-place foreach op whose
+    per-tensor op has no in-place form (``_foreach_maximum_``: there is no ``maximum_``) runs each
+    element as the out-of-place op's ``out=`` form, writing the element: ``maximum(x, y, out=x)``."""
     name = func.overloadpacket.__name__
-    packet = getattr(torch.ops.aten, name[len("_foreach_"):], None) if name.startswith("_foreach_") else None
+    if not name.startswith("_foreach_"):
+        return None
+    base = name[len("_foreach_"):]
+    packet = getattr(torch.ops.aten, base, None)
+    out_is_self = False
+    if packet is None and base.endswith("_"):
+        packet = getattr(torch.ops.aten, base[:-1], None)
+        out_is_self = packet is not None and "out" in packet.overloads()
+        if not out_is_self:
+            return None
     if packet is None:
         return None
-    schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+    overloads = [o for o in packet.overloads() if not (out_is_self and o != "out")]
+    schemas = [getattr(packet, overload)._schema for overload in overloads]
     capacity = max(sum(not a.kwarg_only for a in s.arguments) for s in schemas)
-    keywords = next(([a.name for a in s.arguments if a.kwarg_only] for s in schemas
-                     if any(a.kwarg_only for a in s.arguments)), [])
-    return packet, capacity, keywords
+    keywords = next(([a.name for a in s.arguments if a.kwarg_only and not a.is_out] for s in schemas
+                     if any(a.kwarg_only and not a.is_out for a in s.arguments)), [])
+    return packet, capacity, keywords, out_is_self

@@ -1,0 +1,356 @@
+"""The elementwise optimizers of ``torch.optim`` step on the pieces: plain tensors, no ``__torch_dispatch__``.
+
+Adam, AdamW, SGD, Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop and Rprop update each element
+of a parameter from the same element of its gradient and states, with numbers (the learning rate, a
+step count's bias correction) shared by all elements. A parameter, its gradient and each state tensor
+hold one layout, so each rank's update needs only its own pieces -- as Megatron's distributed optimizer
+steps its local shards. Through the dispatcher the same update pays the Python subclass's cost per
+tensor per op (1.8-2x plain torch where a step is launch-bound: benchmarks/optimizer.py); here it is
+the plain call.
+
+How: each optimizer's ``step`` gathers its lists (parameters, gradients, states, step counts) and calls
+its module's functional update (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``, ...); that function is
+wrapped (:func:`install_optimizer_pieces`). Given global tensors, the wrapper calls the original with
+the pieces this process holds -- every held rank's pieces in one call in a simulated world, so torch's
+foreach and fused kernels group them as they group a plain model's -- and with everything else as the
+step passed it. ``state_dict()`` keeps the global tensors, whose pieces were updated in place, so DCP,
+LR schedulers, hooks, ``add_param_group``, GradScaler and clipping work as before.
+
+Per element: a global gradient in another layout than its parameter's (``grad_sbp=``) is boxed to it
+first (a partial one reduced); a 0-dim plain state (a step count, NAdam's ``mu_product``, ASGD's
+``eta`` and ``mu``) is the same on every rank and changes with the step only, so each extra held rank
+gets its own copy of it for the call; an element of which this process holds no piece goes in as empty
+placeholders, so its step count advances as on every other rank.
+
+The present path (the update dispatched op by op on global tensors) runs where this one would not be
+exact or cannot apply: LBFGS, SparseAdam, Adafactor, Muon and any other optimizer (not elementwise, or
+not known to be), ``differentiable=True``, sparse gradients, a state made lazily (SGD's momentum
+buffer at its first step), a state or a gradient in a layout its parameter does not have. Inside a
+``torch.compile``d step the update on pieces runs eagerly, between graphs (:func:`_plain_update`).
+
+Under ``gt.compile`` the call is one task of the graph (actor_rt/capture.py), run by each replay with
+the settings of the optimizer's parameter group as they are then: a learning-rate schedule, a changed
+weight decay or betas reach the next call with no new capture. A setting counts as the group's when
+the step passed the group's own number object (``lr=group["lr"]``, ``beta1`` from ``group["betas"]``).
+With ``cuda_graphs=True`` the update is recorded op by op instead (actor_rt/optim.py), so that the
+graphs replay it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import operator
+import sys
+from typing import Callable, List, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..boxing.interned import intern
+from ..tensor import GlobalTensor, box
+from . import mapped_call
+
+#: the torch.optim modules whose functional update (the module's own name) is elementwise
+ELEMENTWISE = ("sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop")
+#: number settings an optimizer reads only to make a state (Rprop's step sizes start at ``lr``), never in
+#: its update: a graph holds its states, so a change needs no capture (tests/nn/test_optim_pieces.py
+#: checks that every other number setting reaches the update)
+STATE_INIT_ONLY = {"Rprop": ("lr",), "Adagrad": ("initial_accumulator_value",)}
+
+
+class _Stepping:
+    """The optimizer whose ``step`` runs now (global step hooks): where a capture finds its group."""
+    optimizer: Optional[torch.optim.Optimizer] = None
+
+
+_stepping = _Stepping()
+
+
+def install_optimizer_pieces() -> None:
+    """Wrap the functional update of every :data:`ELEMENTWISE` optimizer (once per process)."""
+    for name in ELEMENTWISE:
+        module = importlib.import_module(f"torch.optim.{name}")
+        fn = getattr(module, name, None)
+        if callable(fn) and not hasattr(fn, "on_globals"):
+            setattr(module, name, _stepping_pieces(fn))
+    if not getattr(_stepping, "hooked", False):
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", opt))
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", None))
+        _stepping.hooked = True
+
+
+#: the wrapper's body (:func:`_stepping_pieces`), compiled under a file name of its own
+_WRAPPER = """
+def update(*args, **kwargs):
+    if is_compiling():
+        return fn(*args, **kwargs)
+    call = pieces_call(fn, names, args, kwargs)
+    if call is None:
+        return fn(*args, **kwargs)
+    return call.run()
+"""
+
+
+def _stepping_pieces(fn: Callable) -> Callable:
+    """``fn`` wrapped: called with global tensors, the update on pieces (:class:`PiecesCall`); else ``fn``.
+
+    Dynamo never traces the library's own files (compat/dynamo.py), yet a ``torch.compile``d step of a
+    plain model must trace this wrapper as it traced ``fn`` (inlined, not a graph break): so its code
+    is compiled under a file name outside the library, and while Dynamo traces it, it is ``fn``."""
+    namespace = {"fn": fn, "names": list(inspect.signature(fn).parameters), "pieces_call": _pieces_call,
+                 "is_compiling": torch.compiler.is_compiling}
+    exec(compile(_WRAPPER, f"<globaltensor: {fn.__module__}.{fn.__name__} on pieces>", "exec"), namespace)
+    update = functools.wraps(fn)(namespace["update"])
+    update.on_globals = fn            # the original: the present path, op by op through the dispatcher
+    return update
+
+
+def _pieces_call(fn: Callable, names: list, args: tuple, kwargs: dict) -> Optional["PiecesCall"]:
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return PiecesCall.of(fn, names, bound)
+
+
+class PiecesCall:
+    """One call of a functional update, on the pieces this process holds.
+
+    Every list argument becomes a list over :attr:`order` -- ``(element, rank)`` for each rank this
+    process holds of each parameter, ranks outermost where all parameters share a placement (then
+    each list is made by a few whole-list operations, the step's per-parameter cost kept in C);
+    ``(element, None)`` for an element held on no rank here (an empty placeholder). A global list
+    gives its pieces there; a list of 0-dim plain states (step counts) gives each element's state at
+    its first held rank and a copy made for the call at each other one.
+
+    The tensors go in as one flat list (:attr:`inputs`, the order :meth:`rebuild` reads them back in):
+    each global list's pieces over the order, each plain list's states, then the other tensor
+    arguments (GradScaler's ``grad_scale`` and ``found_inf``, a tensor ``lr``). :attr:`written`: what
+    the update writes -- every list's tensors but the gradients (those too for a fused update, which
+    unscales them)."""
+
+    def __init__(self, fn: Callable, bound: dict, lists: List[str], plain: set, order: list, columns: dict):
+        params = bound["params"]
+        self.fn, self.lists, self.plain, self.order = fn, lists, plain, order
+        self.name = type(_stepping.optimizer).__name__ if _stepping.optimizer is not None else fn.__name__
+        self.first_param = params[0]
+        self.n = len(params)
+        self.tensor_args = [k for k, v in bound.items() if k not in columns and isinstance(v, torch.Tensor)]
+        self.settings = {k: v for k, v in bound.items() if k not in columns and k not in self.tensor_args}
+        self.live: dict = {}                      # setting name -> (group, key, index or None)
+        placeholders = [j for j, (_, r) in enumerate(order) if r is None]
+        self.placeholders = [(j, params[order[j][0]].dtype, params[order[j][0]].device) for j in placeholders]
+        # a plain list's state at each position of the order: its own (at the element's first held
+        # position) or a copy, made at the call; with one position per element, the list as given
+        self.copies = self.plain_order = None
+        if len(order) != self.n or order[0][0] != 0 or order[-1][0] != self.n - 1:
+            seen: set = set()
+            self.copies = []
+            for i, _ in order:
+                self.copies.append(i in seen)
+                seen.add(i)
+            self.plain_order = [i for i, _ in order]
+        self.inputs, self.written = [], []
+        grads, fused = lists[1], bool(bound.get("fused"))
+        for k in lists:
+            values = columns[k]
+            self.inputs.extend(values)
+            if k != grads or fused:
+                self.written.extend(values)
+        self.inputs.extend(bound[k] for k in self.tensor_args)
+
+    @staticmethod
+    def of(fn: Callable, names: list, bound: dict) -> Optional["PiecesCall"]:
+        """The call on pieces for these arguments; None where the present path must run (module docstring)."""
+        params = bound.get(names[0])
+        if not params or type(params[0]) is not GlobalTensor:
+            return None
+        capture = mapped_call._capture
+        if capture is not None and not capture.optimizer_tasks:
+            return None                     # recorded op by op, to be replayed inside CUDA graphs
+        if bound.get("differentiable") or bound.get("has_sparse_grad") or names[0] != "params":
+            return None
+        n, grads = len(params), names[1]
+        lists = [k for k in names if type(bound.get(k)) is list and bound[k]]
+        if any(len(bound[k]) != n for k in lists) or lists[:2] != ["params", grads]:
+            return None
+        if any(isinstance(v, GlobalTensor) for k, v in bound.items() if k not in lists):
+            return None
+        if set(map(type, params)) != _GLOBAL:
+            return None
+        layouts = list(map(_LAYOUT, params))
+        given, plain = {"params": params}, set()
+        for k in lists[1:]:
+            values = bound[k]
+            kinds = set(map(type, values))
+            if kinds == _GLOBAL:
+                values = _in_layouts(values, params, layouts, box_them=k == grads and not bound.get("fused"))
+                if values is None:
+                    return None
+            elif kinds == _PLAIN and k != grads and set(map(_DIM, values)) == {0}:
+                plain.add(k)
+            else:
+                return None             # None (a lazy state), a plain tensor beside global ones, sparse
+            given[k] = values
+        order = _order(params, layouts)
+        columns = {k: (_states(given[k], order) if k in plain else _pieces(given[k], order)) for k in lists}
+        return PiecesCall(fn, bound, lists, plain, order, columns)
+
+    def rebuild(self, tensors) -> dict:
+        """The original's arguments from the flat tensors: each list over the order (placeholders and
+        copies made now), the other tensor arguments, the settings (a live one as its group holds it now)."""
+        call, at = {}, 0
+        for k in self.lists:
+            if k in self.plain:
+                own = list(tensors[at:at + self.n])
+                at += self.n
+                if self.plain_order is not None:
+                    own = [own[i].clone() if copy else own[i] for i, copy in zip(self.plain_order, self.copies)]
+                call[k] = own
+                continue
+            held = len(self.order) - len(self.placeholders)
+            pieces = list(tensors[at:at + held])
+            at += held
+            for j, dtype, device in self.placeholders:
+                pieces.insert(j, torch.empty(0, dtype=dtype, device=device))
+            call[k] = pieces
+        for k in self.tensor_args:
+            call[k] = tensors[at]
+            at += 1
+        call.update(self.settings)
+        for name, (group, key, index) in self.live.items():
+            call[name] = group[key] if index is None else group[key][index]
+        return call
+
+    def __call__(self, *tensors):
+        """Run the update on these tensors (a graph's task; the eager call passes :attr:`inputs`)."""
+        _plain_update(self.fn)(**self.rebuild(tensors))
+        return ()
+
+    def __str__(self) -> str:
+        return f"{self.name} update on pieces"
+
+    @property
+    def rank(self) -> Optional[int]:
+        """The rank whose stream runs it in a graph: the first this process holds of any parameter."""
+        return next((r for _, r in self.order if r is not None), None)
+
+    def run(self) -> None:
+        """Eagerly: the call now. In a capture: one task of the graph, its settings read at each replay."""
+        capture = mapped_call._capture
+        if capture is None:
+            self(*self.inputs)
+            return None
+        self.live, unread = _live_settings(self.settings, self.first_param)
+        capture.task(self, tuple(self.inputs), writes=tuple(self.written),
+                     settings=tuple(self.live.values()) + unread)
+        return None
+
+
+_GLOBAL = {GlobalTensor}
+_PLAIN = {torch.Tensor}
+_LAYOUT = operator.attrgetter("_layout")
+_PIECES = operator.attrgetter("_pieces")
+_DIM = operator.methodcaller("dim")
+
+
+def _in_layouts(values: list, params: list, layouts: list, box_them: bool) -> Optional[list]:
+    """``values`` (a list of global tensors, one per parameter) each in its parameter's layout: an equal
+    layout takes the parameter's interned object (and so does the parameter: later steps compare by
+    identity); another one, where ``box_them`` (the gradients), is boxed to it (a partial gradient
+    reduced); else None."""
+    if list(map(_LAYOUT, values)) == layouts:       # identities first: one pass in C
+        return values
+    out = list(values)
+    for i, (v, p) in enumerate(zip(values, params)):
+        if v._layout is p._layout:
+            continue
+        if v._layout == p._layout:
+            v._layout = p._layout = intern(p._layout)
+        elif box_them and v.shape == p.shape and v.dtype == p.dtype and v.placement == p.placement:
+            out[i] = box(v, p._layout)
+        else:
+            return None
+    return out
+
+
+def _order(params: list, layouts: list) -> list:
+    """``[(element, rank)]``: each parameter at each rank this process holds of it (see PiecesCall)."""
+    if len(set(map(id, map(_PLACEMENT, layouts)))) == 1:          # one placement: ranks outermost
+        held = list(params[0]._pieces) or [None]
+        return [(i, r) for r in held for i in range(len(params))]
+    return [(i, r) for i, p in enumerate(params) for r in (list(p._pieces) or [None])]
+
+
+def _pieces(values: list, order: list) -> list:
+    """The pieces of a global list over the order (placeholders left out)."""
+    if order and order[0][0] == 0 and len(order) % len(values) == 0 and \
+            all(order[k * len(values)][1] == order[k * len(values) + len(values) - 1][1]
+                for k in range(len(order) // len(values))):
+        out = []
+        for k in range(len(order) // len(values)):        # ranks outermost: one C pass per rank
+            r = order[k * len(values)][1]
+            if r is not None:
+                out.extend(map(operator.itemgetter(r), map(_PIECES, values)))
+        return out
+    return [values[i]._pieces[r] for i, r in order if r is not None]
+
+
+def _states(values: list, order: list) -> list:
+    """A plain list's states as given, one per element (the order repeats them, copied: rebuild)."""
+    return list(values)
+
+
+_PLACEMENT = operator.attrgetter("placement")
+
+
+def _plain_update(fn: Callable) -> Callable:
+    """``fn`` as called on plain pieces: where Dynamo is loaded, with it disabled inside. The library's
+    frames are Dynamo's skipped ones (compat/dynamo.py), so inside a ``torch.compile``d step this
+    update runs eagerly after a graph break; without the disable, Dynamo would go on to compile
+    torch.optim's frames below it on the pieces."""
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    disabled = _DISABLED.get(fn)
+    if disabled is None:
+        disabled = _DISABLED[fn] = sys.modules["torch._dynamo"].disable(fn)
+    return disabled
+
+
+_DISABLED: dict = {}
+
+
+def _live_settings(settings: dict, first_param) -> tuple:
+    """The settings passed as the stepping optimizer's group holds them: ``{name: (group, key, index)}``
+    for each number that is the group's own object (``lr=group["lr"]``: index None; ``beta1`` from
+    ``group["betas"]``: index 0), found once, unambiguously; and ``(group, key, None)`` of each of its
+    :data:`STATE_INIT_ONLY` settings (read by no update: nothing to feed)."""
+    opt = _stepping.optimizer
+    group = None if opt is None else next((g for g in opt.param_groups
+                                           if any(p is first_param for p in g["params"])), None)
+    if group is None:
+        return {}, ()
+    unread = tuple((group, key, None) for key in STATE_INIT_ONLY.get(type(opt).__name__, ()) if key in group)
+    live = {}
+    for name, v in settings.items():
+        if type(v) not in (float, int):
+            continue
+        if group.get(name) is v:
+            live[name] = (group, name, None)
+            continue
+        found = [(k, j) for k, gv in group.items() if type(gv) is tuple for j, x in enumerate(gv) if x is v]
+        if len(found) == 1:
+            live[name] = (group, *found[0])
+    return live, unread
+
+
+def steps_on_pieces(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` takes the path on pieces: a ``torch.optim`` class of :data:`ELEMENTWISE`
+    (a ``ZeroOptimizer``'s wrapped one) over global parameters only, none ``differentiable``."""
+    from .zero import ZeroOptimizer
+    if isinstance(opt, ZeroOptimizer):
+        opt = opt._optimizer
+    module = type(opt).__module__
+    if not module.startswith("torch.optim.") or module.rsplit(".", 1)[-1] not in ELEMENTWISE:
+        return False
+    return all(not g.get("differentiable") and all(type(p) is GlobalTensor for p in g["params"])
+               for g in opt.param_groups)
