@@ -23,13 +23,15 @@ from globaltensor.ops.call_key import key_spec
 from globaltensor.ops.decide import candidates, route
 from globaltensor.ops.schema.op_record import record
 
-_OTHERS = {float: (0.0, 1.0, -2.5, 0.375), int: (0, 1, -2, 3), complex: (0j, 1 + 2j), bool: (False, True)}
+#: the values a number is changed to: zero, a positive and a negative (the classes a rule may read)
+_OTHERS = {float: (0.0, 0.375, -2.5), int: (0, 3, -2), complex: (0j, 1 + 2j), bool: (False, True)}
 
 
 def _variants(func, args: tuple, kwargs: dict) -> Iterator[tuple]:
     """``(argument name, its value, another value, args, kwargs)`` for each number the key leaves out --
     given, or left at its schema default -- changed to the other value (a default one passed by name)."""
-    _, by_type, by_type_names, classified, listed = key_spec(func)
+    spec = key_spec(func)
+    by_type, by_type_names, classified, listed = spec.by_type, spec.by_type_names, spec.classified, spec.listed
     if listed:
         return
     rec = record(func)
@@ -93,13 +95,15 @@ def value_free_keys_checked() -> Iterator[List[str]]:
 
     def decide(func, args, kwargs):
         made = real(func, args, kwargs)
+        first = None                    # what the rule offers for the call as made, once
         for name, given, other, a, kw in _variants(func, args, kwargs):
             if not _meta_accepts(func, a, kw):
                 continue
             offset = rng.current_offset()
             try:
                 again = real(func, a, kw)
-                offered = _offered(func, args, kwargs), _offered(func, a, kw)
+                first = _offered(func, args, kwargs) if first is None else first
+                offered = first, _offered(func, a, kw)
             except Exception:           # noqa: BLE001 -- the changed number is invalid for the op
                 continue
             finally:

@@ -19,6 +19,7 @@ from .ops.explicit import ImplicitBoxingError, explicit
 from .ops.dispatch import dispatch_cache_clear, dispatch_cache_info, set_dispatch_cache_size
 from .ops.executor.lists import install_foreach_support
 from .nn.optim_pieces import install_optimizer_pieces
+from .nn.fed_numbers import install_fed_numbers
 from .inspect import boxing_plan
 from .viz import render_sharding, visualize
 from . import nn
@@ -30,6 +31,7 @@ from .interop import from_dtensor, install_dcp_protocol, install_to_dtensor, to_
 install_tensor_methods()
 install_foreach_support()
 install_optimizer_pieces()
+install_fed_numbers()
 install_to_dtensor()
 install_dcp_protocol()
 

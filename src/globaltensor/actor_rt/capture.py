@@ -356,6 +356,17 @@ class Tracer(TorchDispatchMode):
             node.outs.append(vid)
         return out
 
+    def number(self, fed, dtype: torch.dtype, device) -> torch.Tensor:
+        """A float argument of the call as a 0-dim tensor the graph is fed at every call
+        (nn/fed_numbers.py: a clipping threshold)."""
+        self.suspended = True
+        try:
+            t = torch.tensor(fed.value, dtype=dtype, device=device)
+        finally:
+            self.suspended = False
+        self._new_value(t, kind="number", number=(fed.index, dtype, device))
+        return t
+
     def keys(self, offset: int, stream: int, device) -> torch.Tensor:
         self.suspended = True
         try:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..boxing import Layout
 from ..comm import get_world
 from ..observe.context import run_labelled
+from ..nn.fed_numbers import FedNumber
 from ..nn.grad_buckets import GradBuckets
 from ..ops import rng
 from ..ops.schema.args import SCALARS
@@ -52,6 +53,13 @@ def _meta(leaf):
         raise TypeError(f"gt.compile: an argument of type {type(leaf).__name__} is neither a tensor nor a "
                         f"hashable value; a compiled function takes tensors and plain values") from None
     return (type(leaf), leaf)
+
+
+def _fed_key(spec, leaves: list):
+    """The key of a graph fed the float arguments (their values left out); None without any."""
+    if not any(type(x) is float for x in leaves):
+        return None
+    return (spec, tuple((float, "fed") if type(x) is float else _meta(x) for x in leaves))
 
 
 def _flatten(args: tuple, kwargs: dict):
@@ -96,6 +104,7 @@ class _Graph:
                  live: frozenset = frozenset()):
         self.program, self.runtime, self.optimizers, self.out_spec = program, runtime, optimizers, out_spec
         self.live = live                     # settings its tasks read at each run (actor_rt/optim.py)
+        self.numbers_fed = False             # its float arguments are fed at each call (nn/fed_numbers.py)
         self.hyper = hyper_parameters(optimizers, live)
         self.consumed = consumed
         self.slots: list = []              # the sink refs, by result slot
@@ -159,6 +168,7 @@ class CompiledFunction:
         self.timeline, self.measure_memory, self.streams = timeline, measure_memory, streams
         self.cuda_graphs = cuda_graphs
         self._graphs: dict = {}
+        self._unfed: set = set()            # keys of float arguments found read other than by a clipping
         self._warm: dict = {}
         self._last: Optional[_Graph] = None
         self.captures = 0
@@ -180,6 +190,12 @@ class CompiledFunction:
             leaves, spec = _flatten(args, kwargs)
             key = (spec, tuple(_meta(x) for x in leaves))
             graph = self._graphs.get(key)
+            fed_key = _fed_key(spec, leaves) if graph is None else None
+            if fed_key is not None and fed_key not in self._unfed:
+                graph = self._graphs.get(fed_key)
+                key = fed_key                     # a graph fed the float arguments, or the one to capture
+            else:
+                fed_key = None
             if graph is not None and hyper_parameters(graph.optimizers, graph.live) != graph.hyper:
                 warnings.warn("gt.compile: an optimizer's hyper-parameters changed since the capture, and the graph "
                               "holds them; capturing again (an elementwise torch.optim optimizer's settings are read "
@@ -193,7 +209,11 @@ class CompiledFunction:
                     self._warm[key] = self._warm.get(key, 0) + 1
                     results.append(self.fn(*args, **kwargs))
                     continue
-                graph = self._graphs[key] = self._capture(args, kwargs)
+                graph = self._capture(args, kwargs, fed_numbers=fed_key is not None)
+                if fed_key is not None and not graph.numbers_fed:
+                    self._unfed.add(fed_key)      # a float argument is read elsewhere: keyed by value
+                    key = (spec, tuple(_meta(x) for x in leaves))
+                self._graphs[key] = graph
             if batch and key != batch_key:
                 results += self._flush(batch, batch_key)
                 batch = []
@@ -228,6 +248,9 @@ class CompiledFunction:
                 if m > 1:
                     piece = _micro_slice(piece, m, mb)
                 feed.append(piece.detach() if piece.requires_grad else piece)
+            elif spec[0] == "number":
+                _, i, dtype, device = spec
+                feed.append(torch.tensor(float(leaves[i]), dtype=dtype, device=device))
             else:
                 _, offset, stream, device, mb = spec
                 feed.append(torch.tensor(rng.key_values(base + mb * graph.consumed + offset, stream),
@@ -255,7 +278,27 @@ class CompiledFunction:
         return out_leaves[0] if spec.is_leaf() else tree_unflatten(out_leaves, spec)
 
     # -- capturing ------------------------------------------------------------------------
-    def _capture(self, args, kwargs) -> _Graph:
+    def _capture(self, args, kwargs, fed_numbers: bool = False) -> _Graph:
+        """The graph of a call. With ``fed_numbers``, first with each float argument a FedNumber
+        (nn/fed_numbers.py): kept where none was read but by a clipping, each then fed at every
+        call (``numbers_fed``); else captured again with the numbers themselves."""
+        if fed_numbers:
+            flat, tree = tree_flatten((args, kwargs))
+            numbers = [FedNumber(x, i) for i, x in enumerate(flat) if type(x) is float]
+            by_index = {n.index: n for n in numbers}
+            try:
+                graph = self._capture_once(*tree_unflatten([by_index.get(i, x) for i, x in enumerate(flat)], tree))
+            except Exception:        # noqa: BLE001 -- a number refused or read: captured with the numbers below
+                graph = None
+            if graph is not None and not any(n.used for n in numbers):
+                graph.numbers_fed = True
+                return graph
+            if graph is not None:
+                graph.runtime.close()
+            return self._capture_once(args, kwargs, retry=True)
+        return self._capture_once(args, kwargs)
+
+    def _capture_once(self, args, kwargs, retry: bool = False) -> _Graph:
         m = self.micro_batches
         if m > 1:
             leaves, spec = tree_flatten((args, kwargs))
@@ -276,7 +319,7 @@ class CompiledFunction:
         if self.cuda_graphs:
             backend = graph_backend()
             backend.check()
-            if self.captures:
+            if self.captures and not retry:
                 warnings.warn("gt.compile(cuda_graphs=True): the arguments' shapes or layouts changed; capturing "
                               "the step and its CUDA graphs again", stacklevel=4)
         runtime = Runtime(program, timeline=self.timeline, measure_memory=self.measure_memory, graphs=backend)

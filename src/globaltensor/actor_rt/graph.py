@@ -29,12 +29,13 @@ class StorageRef:
 @dataclass
 class Value:
     vid: int
-    kind: str                      # "node" | "arg" | "keys" | "state"
+    kind: str                      # "node" | "arg" | "keys" | "number" | "state"
     rank: Optional[int] = None     # the rank whose piece this is (None: a process-level tensor)
     node: Optional[int] = None     # kind "node": the producing node and its output position
     out: int = 0
     arg: Optional[Tuple[int, Optional[int]]] = None   # kind "arg": (leaf index, rank or None for plain)
     keys: Optional[Tuple[int, int, Any]] = None       # kind "keys": (offset from the call's base, stream, device)
+    number: Optional[Tuple[int, Any, Any]] = None     # kind "number": (leaf index, dtype, device) of a fed float
     tensor: Any = None             # kind "state": the tensor itself
     storage: Optional[tuple] = None
     nbytes: int = 0                # bytes of its storage, when the graph allocates it

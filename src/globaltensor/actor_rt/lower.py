@@ -117,6 +117,10 @@ class _Builder:
             key = ("keys", vid, mb or 0)
             self.feeds[key] = ("keys",) + v.keys + (mb or 0,)
             return ("feed", key)
+        if v.kind == "number":                   # one value for every micro-batch
+            key = ("number",) + v.number
+            self.feeds[key] = key
+            return ("feed", key)
         producer = v.node
         if self.per_mb[producer]:
             if mb is None and self.m > 1:

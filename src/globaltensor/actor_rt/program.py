@@ -35,7 +35,7 @@ class Program:
     outputs: list                   # per Output leaf: as in Captured, refs resolved
     rebinds: list                   # (weakref, rank, input ref)
     grad_rebinds: list              # (leaf index, layout, {rank: input ref})
-    feeds: list                     # feed keys: ("arg", leaf, rank, mb) | ("keys", vid, mb)
+    feeds: list                     # feed keys: ("arg", leaf, rank, mb) | ("keys", vid, mb) | ("number", leaf, dtype, device)
     feed_specs: dict                # feed key -> how to make it
     micro_batches: int
 

@@ -68,6 +68,17 @@ def _mark_constants() -> None:
         types.update(_CONSTANTS)
 
 
+def inlined_wrapper(source: str, name: str, namespace: dict, where: str) -> Callable:
+    """Function ``name`` of ``source`` (its globals ``namespace``), compiled under the file name
+    ``<globaltensor: where>``. Dynamo never traces the library's own files (:func:`_skip_library`), yet
+    a wrapper of a torch function that a compiled program of plain tensors calls (an optimizer's update,
+    a clipping) must be inlined as the function it wraps was, not break the graph: so its code has a
+    file of its own. Such a wrapper decides in its own lines, on what Dynamo can trace (a type, a
+    flag), whether to call the library at all."""
+    exec(compile(source, f"<globaltensor: {where}>", "exec"), namespace)
+    return namespace[name]
+
+
 def _skip_library() -> None:
     """Dynamo never compiles a frame of the library's own code: the dispatcher's frames that run
     eagerly after a graph break (an op whose output shape depends on the data) would otherwise be

@@ -48,6 +48,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..boxing.interned import intern
+from ..compat.dynamo import inlined_wrapper
 from ..tensor import GlobalTensor, box
 from . import mapped_call
 
@@ -62,6 +63,7 @@ STATE_INIT_ONLY = {"Rprop": ("lr",), "Adagrad": ("initial_accumulator_value",)}
 class _Stepping:
     """The optimizer whose ``step`` runs now (global step hooks): where a capture finds its group."""
     optimizer: Optional[torch.optim.Optimizer] = None
+    hooked = False
 
 
 _stepping = _Stepping()
@@ -74,13 +76,13 @@ def install_optimizer_pieces() -> None:
         fn = getattr(module, name, None)
         if callable(fn) and not hasattr(fn, "on_globals"):
             setattr(module, name, _stepping_pieces(fn))
-    if not getattr(_stepping, "hooked", False):
+    if not _stepping.hooked:
         register_optimizer_step_pre_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", opt))
         register_optimizer_step_post_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", None))
         _stepping.hooked = True
 
 
-#: the wrapper's body (:func:`_stepping_pieces`), compiled under a file name of its own
+#: the wrapper's code (:func:`_stepping_pieces`)
 _WRAPPER = """
 def update(*args, **kwargs):
     if is_compiling():
@@ -93,15 +95,12 @@ def update(*args, **kwargs):
 
 
 def _stepping_pieces(fn: Callable) -> Callable:
-    """``fn`` wrapped: called with global tensors, the update on pieces (:class:`PiecesCall`); else ``fn``.
-
-    Dynamo never traces the library's own files (compat/dynamo.py), yet a ``torch.compile``d step of a
-    plain model must trace this wrapper as it traced ``fn`` (inlined, not a graph break): so its code
-    is compiled under a file name outside the library, and while Dynamo traces it, it is ``fn``."""
+    """``fn`` wrapped: called with global tensors, the update on pieces (:class:`PiecesCall`); else ``fn``
+    -- and while Dynamo traces it, ``fn`` (compat/dynamo.py, ``inlined_wrapper``)."""
     namespace = {"fn": fn, "names": list(inspect.signature(fn).parameters), "pieces_call": _pieces_call,
                  "is_compiling": torch.compiler.is_compiling}
-    exec(compile(_WRAPPER, f"<globaltensor: {fn.__module__}.{fn.__name__} on pieces>", "exec"), namespace)
-    update = functools.wraps(fn)(namespace["update"])
+    update = functools.wraps(fn)(inlined_wrapper(_WRAPPER, "update", namespace,
+                                                 f"{fn.__module__}.{fn.__name__} on pieces"))
     update.on_globals = fn            # the original: the present path, op by op through the dispatcher
     return update
 
@@ -191,8 +190,8 @@ class PiecesCall:
             else:
                 return None             # None (a lazy state), a plain tensor beside global ones, sparse
             given[k] = values
-        order = _order(params, layouts)
-        columns = {k: (_states(given[k], order) if k in plain else _pieces(given[k], order)) for k in lists}
+        order, ranks = _order(params, layouts)
+        columns = {k: list(given[k]) if k in plain else _pieces(given[k], order, ranks) for k in lists}
         return PiecesCall(fn, bound, lists, plain, order, columns)
 
     def rebuild(self, tensors) -> dict:
@@ -273,31 +272,25 @@ def _in_layouts(values: list, params: list, layouts: list, box_them: bool) -> Op
     return out
 
 
-def _order(params: list, layouts: list) -> list:
-    """``[(element, rank)]``: each parameter at each rank this process holds of it (see PiecesCall)."""
-    if len(set(map(id, map(_PLACEMENT, layouts)))) == 1:          # one placement: ranks outermost
-        held = list(params[0]._pieces) or [None]
-        return [(i, r) for r in held for i in range(len(params))]
-    return [(i, r) for i, p in enumerate(params) for r in (list(p._pieces) or [None])]
+def _order(params: list, layouts: list) -> tuple:
+    """``[(element, rank)]``: each parameter at each rank this process holds of it (see PiecesCall); and
+    where every parameter shares one placement, the ranks (outermost in the order), else None."""
+    if len(set(map(id, map(_PLACEMENT, layouts)))) == 1:
+        ranks = list(params[0]._pieces) or [None]
+        return [(i, r) for r in ranks for i in range(len(params))], ranks
+    return [(i, r) for i, p in enumerate(params) for r in (list(p._pieces) or [None])], None
 
 
-def _pieces(values: list, order: list) -> list:
-    """The pieces of a global list over the order (placeholders left out)."""
-    if order and order[0][0] == 0 and len(order) % len(values) == 0 and \
-            all(order[k * len(values)][1] == order[k * len(values) + len(values) - 1][1]
-                for k in range(len(order) // len(values))):
-        out = []
-        for k in range(len(order) // len(values)):        # ranks outermost: one C pass per rank
-            r = order[k * len(values)][1]
-            if r is not None:
-                out.extend(map(operator.itemgetter(r), map(_PIECES, values)))
-        return out
-    return [values[i]._pieces[r] for i, r in order if r is not None]
-
-
-def _states(values: list, order: list) -> list:
-    """A plain list's states as given, one per element (the order repeats them, copied: rebuild)."""
-    return list(values)
+def _pieces(values: list, order: list, ranks: Optional[list]) -> list:
+    """The pieces of a global list over the order (placeholders left out): with ``ranks`` outermost,
+    one pass in C per rank."""
+    if ranks is None:
+        return [values[i]._pieces[r] for i, r in order if r is not None]
+    out = []
+    for r in ranks:
+        if r is not None:
+            out.extend(map(operator.itemgetter(r), map(_PIECES, values)))
+    return out
 
 
 _PLACEMENT = operator.attrgetter("placement")

@@ -44,6 +44,8 @@ _NUMBERS = frozenset({int, float, complex, bool})
 #: schema types where a Python number given is a factor or a fill (``Scalar`` prints as ``number``)
 _VALUE_FREE = frozenset({"number", "Optional[number]", "float", "Optional[float]", "complex", "Optional[complex]",
                          "Tensor", "Optional[Tensor]"})
+#: schema types that take a Python number (the others, lists and strings and dtypes, never do)
+_NUMERIC = _VALUE_FREE | {"int", "Optional[int]", "bool", "Optional[bool]", "SymInt", "Optional[SymInt]"}
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -54,6 +56,8 @@ class KeySpec(NamedTuple):
     by_type_names: frozenset     # the same arguments' names, given by keyword
     classified: tuple            # (schema index, function): the rule's ``keyed=`` arguments
     listed: bool                 # a list op (``_foreach_*``, fused optimizers, unscale)
+    mixed: bool                  # some positions take a number by type, others by value: ask each one's
+    all_typed: bool              # every position that takes a number takes it by type (add, mul, mm, relu)
 
 
 _SPECS: dict = {}
@@ -73,9 +77,11 @@ def _make_spec(func) -> KeySpec:
     keyed = dict(rule.keyed or {}) if rule is not None else {}     # names checked at registration
     free = [a for a in rec.args if a.type in _VALUE_FREE or a.name in keyed]
     classified = tuple((rec.by_name[name], fn if fn is not None else _itself) for name, fn in keyed.items())
-    return KeySpec(id(func), frozenset(a.index for a in free if not a.kwarg_only),
-                   frozenset(a.name for a in free), tuple((a.index, fn) for a, fn in classified),
-                   rule is None and list_kind(func) is not None)
+    positional = frozenset(a.index for a in free if not a.kwarg_only)
+    numeric = {a.index for a in rec.args if not a.kwarg_only and a.type in _NUMERIC}
+    return KeySpec(id(func), positional, frozenset(a.name for a in free), tuple((a.index, fn) for a, fn in classified),
+                   rule is None and list_kind(func) is not None, bool(positional) and not numeric <= positional,
+                   numeric <= positional)
 
 
 def _itself(v):
@@ -102,24 +108,49 @@ def arg_key(v):
 
 def call_key(func, args: tuple, kwargs: Optional[dict]) -> tuple:
     """The cache key of ``func(*args, **kwargs)`` -- the one key function, for the look-up of every
-    call and the store of a new decision alike."""
+    call and the store of a new decision alike. A call of global tensors only (``add(a, b)``, ``mm``,
+    ``relu``: the hot path) needs nothing of the op's spec; at the first other argument, or keywords,
+    the key is made from it (:func:`_spec_key`). A call takes one of the two ways every time, so its
+    look-up and its store agree."""
+    key = [id(func), "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
+    for v in args:
+        if type(v) is GlobalTensor and v._boxed is None:
+            key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
+        else:
+            return _spec_key(func, args, kwargs)
+    if kwargs:
+        return _spec_key(func, args, kwargs)
+    return tuple(key)
+
+
+def _spec_key(func, args: tuple, kwargs: Optional[dict]) -> tuple:
     spec = _SPECS.get(id(func))
     if spec is None:
         spec = key_spec(func)
-    fid, by_type, by_type_names, classified, listed = spec
+    fid, by_type, by_type_names, classified, listed, mixed, all_typed = spec
     if listed:
         return _list_key(fid, args, kwargs)
     key = [fid, "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
-    i = 0
-    for v in args:
-        t = type(v)
-        if t is GlobalTensor and v._boxed is None:
-            key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
-        elif t in _NUMBERS and i in by_type:
-            key.append(t)
-        else:
-            key.append(arg_key(v))
-        i += 1
+    if mixed:
+        i = 0
+        for v in args:
+            t = type(v)
+            if t is GlobalTensor and v._boxed is None:
+                key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
+            elif t in _NUMBERS and i in by_type:
+                key.append(t)
+            else:
+                key.append(arg_key(v))
+            i += 1
+    else:                       # every number by type, or every number by value: no position to ask
+        for v in args:
+            t = type(v)
+            if t is GlobalTensor and v._boxed is None:
+                key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
+            elif all_typed and t in _NUMBERS:
+                key.append(t)
+            else:
+                key.append(arg_key(v))
     if kwargs:
         key.append(_KEYWORDS)
         for k, v in kwargs.items():
