@@ -45,8 +45,8 @@ LR, EPS = 1e-2, 1e-6
 
 # The float64 runs must agree to TOLERANCE, measured as max |a - b| / (1 + |b|) over every loss
 # and every parameter element (losses ~4, parameters ~0.1-1). They differ by rounding only: the
-# order of sums (split matmuls, all-reduces, the compiled graph's gradient buckets) and AdamW's
-# capturable form in the compiled run. A gradient entry sums n <= ~128 terms (the tokens of a
+# order of sums (split matmuls, all-reduces, the compiled graph's gradient buckets); the compiled
+# run's AdamW update is the eager one (the same update on the same pieces, nn/optim_pieces.py). A gradient entry sums n <= ~128 terms (the tokens of a
 # batch, the MLP's hidden features) of size <= ~0.2 (its measured scale), so two runs' values of
 # it differ by d <= n * u * 0.2 = 3e-15 at worst (u = 1.1e-16). AdamW divides each gradient by
 # sqrt(v) + eps, so where a gradient is below eps (zero in exact arithmetic, like the key bias's:
@@ -90,7 +90,7 @@ def describe_sharding(name: str, w) -> None:
 @contextmanager
 def default_dtype(dtype: torch.dtype):
     """``dtype`` as torch's default within. A float64 program needs it: AdamW's step counter takes the
-    default dtype, and the compiled (capturable) AdamW computes its bias corrections in it."""
+    default dtype, and its bias corrections come from it."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -14,8 +14,9 @@ import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
 from nn_models import net, training_step
 
-# Compiled and eager steps differ by rounding only: SGD with momentum is bit-for-bit the eager update,
-# AdamW runs in its capturable form (tensor bias corrections).
+# Compiled and eager steps differ by rounding only: the order of the gradient buckets' sums; a
+# torch.optim elementwise optimizer's update is the eager one (nn/optim_pieces.py), a user's own is
+# recorded op by op, in torch's capturable form where it has one (tensor bias corrections).
 REL = 1e-12
 
 

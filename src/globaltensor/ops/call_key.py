@@ -13,8 +13,8 @@ given where the schema takes a ``Scalar``, a ``float``, a ``complex`` or a ``Ten
 number) enters by type; ``int``, ``int[]``, ``bool``, a dtype, a string -- everything else -- by
 value. A rule whose candidates read one of those numbers says so (``register_rule(keyed=)``): a
 function of the value gives what enters the key (``masked_fill`` keeps a partial sum only for a
-zero fill: ``keyed={"value": is_zero}``). tests/conformance/test_value_free_keys.py holds every
-rule to this: a rule that reads a number the key leaves out fails there.
+zero fill: ``keyed={"value": is_zero}``). The OpInfo sweep (tests/conformance/test_opinfo.py, with
+tests/key_check.py) holds every rule to this: a rule that reads a number the key leaves out fails there.
 
 A list op (``_foreach_*``, the fused optimizers) keys each number by type and a list of numbers
 by its length; its tensors by their layouts, as a single op's.
@@ -45,7 +45,7 @@ _NUMBERS = frozenset({int, float, complex, bool})
 _VALUE_FREE = frozenset({"number", "Optional[number]", "float", "Optional[float]", "complex", "Optional[complex]",
                          "Tensor", "Optional[Tensor]"})
 #: schema types that take a Python number (the others, lists and strings and dtypes, never do)
-_NUMERIC = _VALUE_FREE | {"int", "Optional[int]", "bool", "Optional[bool]", "SymInt", "Optional[SymInt]"}
+_NUMERIC = _VALUE_FREE | {"int", "Optional[int]", "bool", "Optional[bool]"}     # (a SymInt prints as int)
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -124,10 +124,8 @@ def call_key(func, args: tuple, kwargs: Optional[dict]) -> tuple:
 
 
 def _spec_key(func, args: tuple, kwargs: Optional[dict]) -> tuple:
-    spec = _SPECS.get(id(func))
-    if spec is None:
-        spec = key_spec(func)
-    fid, by_type, by_type_names, classified, listed, mixed, all_typed = spec
+    """The key of a call with a number, a list, a plain tensor or keywords: from the op's spec."""
+    fid, by_type, by_type_names, classified, listed, mixed, all_typed = key_spec(func)
     if listed:
         return _list_key(fid, args, kwargs)
     key = [fid, "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
