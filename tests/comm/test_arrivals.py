@@ -5,7 +5,11 @@ import time
 
 import pytest
 
-from globaltensor.comm.arrivals import ArrivalBoard, describe_missing
+from globaltensor.comm.arrivals import PERIOD_S, ArrivalBoard, describe_missing
+
+# The board publishes a change within one PERIOD_S; waiting 100 of them is hang detection only, not
+# a bound on a quiet machine's speed.
+HANG_PERIODS = 100
 
 
 class DictStore:
@@ -43,7 +47,7 @@ def boards():
 
 def published(board: ArrivalBoard) -> None:
     """Wait until the board's thread has published its latest state."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_PERIODS * PERIOD_S
     while board._published != board._version:
         assert time.monotonic() < deadline, "the board never published its state"
         time.sleep(0.005)
@@ -123,7 +127,7 @@ def test_stop_returns_once_the_publisher_is_out_of_its_store_call():
     store = SlowStore(0.3)
     board = ArrivalBoard(store, 0)
     board.enter("all_reduce", (0, 1))                     # a change: the publisher writes it
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_PERIODS * PERIOD_S
     while store.inside == 0:
         assert time.monotonic() < deadline, "the publisher never wrote"
         time.sleep(0.005)

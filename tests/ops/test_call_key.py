@@ -11,7 +11,7 @@ import globaltensor as gt
 from globaltensor.ops import dispatch
 from globaltensor.ops.call_key import call_key
 from globaltensor.ops.decide import candidates, route
-from globaltensor.ops.decision_cache import DecisionCache
+from globaltensor.ops.decision_cache import MAXSIZE
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
 from harness import PLACEMENTS, make_global
 
@@ -27,7 +27,7 @@ def fresh_cache():
     """An empty cache with zero counts; the default size again afterwards."""
     gt.dispatch_cache_clear()
     yield dispatch.CACHE
-    gt.set_dispatch_cache_size(DecisionCache().maxsize)
+    gt.set_dispatch_cache_size(MAXSIZE)
 
 
 def _size_growth(step, n: int) -> int:

@@ -188,14 +188,8 @@ class CompiledFunction:
         results, batch, batch_key = [], [], None
         for args, kwargs in items:
             leaves, spec = _flatten(args, kwargs)
-            key = (spec, tuple(_meta(x) for x in leaves))
+            key, fed = self._key(spec, leaves)
             graph = self._graphs.get(key)
-            fed_key = _fed_key(spec, leaves) if graph is None else None
-            if fed_key is not None and fed_key not in self._unfed:
-                graph = self._graphs.get(fed_key)
-                key = fed_key                     # a graph fed the float arguments, or the one to capture
-            else:
-                fed_key = None
             if graph is not None and hyper_parameters(graph.optimizers, graph.live) != graph.hyper:
                 warnings.warn("gt.compile: an optimizer's hyper-parameters changed since the capture, and the graph "
                               "holds them; capturing again (an elementwise torch.optim optimizer's settings are read "
@@ -209,9 +203,9 @@ class CompiledFunction:
                     self._warm[key] = self._warm.get(key, 0) + 1
                     results.append(self.fn(*args, **kwargs))
                     continue
-                graph = self._capture(args, kwargs, fed_numbers=fed_key is not None)
-                if fed_key is not None and not graph.numbers_fed:
-                    self._unfed.add(fed_key)      # a float argument is read elsewhere: keyed by value
+                graph = self._capture(args, kwargs, fed_numbers=fed)
+                if fed and not graph.numbers_fed:
+                    self._unfed.add(key)          # a float argument is read elsewhere: keyed by value
                     key = (spec, tuple(_meta(x) for x in leaves))
                 self._graphs[key] = graph
             if batch and key != batch_key:
@@ -221,6 +215,14 @@ class CompiledFunction:
             batch_key = key
         results += self._flush(batch, batch_key)
         return results
+
+    def _key(self, spec, leaves: list) -> tuple:
+        """A call's graph key, and whether it is one whose float arguments are fed: they enter by type
+        where they may be fed (none found read but by a clipping), else by value."""
+        fed = _fed_key(spec, leaves)
+        if fed is not None and fed not in self._unfed:
+            return fed, True
+        return (spec, tuple(_meta(x) for x in leaves)), False
 
     def _flush(self, batch: list, key) -> list:
         if not batch:

@@ -105,9 +105,12 @@ def _scale(grads: list, coef: torch.Tensor, foreach) -> None:
 def _fed_clip_value(parameters, clip_value: FedNumber, foreach=None) -> None:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    bounds: dict = {}                   # one fed tensor per dtype and device
     with torch.no_grad():
         for g in [p.grad for p in parameters if p.grad is not None]:
-            bound = clip_value.tensor(g.dtype, g.device)
+            bound = bounds.get((g.dtype, g.device))
+            if bound is None:
+                bound = bounds[g.dtype, g.device] = clip_value.tensor(g.dtype, g.device)
             g.clamp_(min=-bound, max=bound)
 
 

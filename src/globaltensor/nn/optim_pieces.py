@@ -25,8 +25,8 @@ placeholders, so its step count advances as on every other rank.
 The present path (the update dispatched op by op on global tensors) runs where this one would not be
 exact or cannot apply: LBFGS, SparseAdam, Adafactor, Muon and any other optimizer (not elementwise, or
 not known to be), ``differentiable=True``, sparse gradients, a state made lazily (SGD's momentum
-buffer at its first step), a state or a gradient in a layout its parameter does not have. Inside a
-``torch.compile``d step the update on pieces runs eagerly, between graphs (:func:`_plain_update`).
+buffer at its first step), a state or a gradient in a layout its parameter does not have, and while
+Dynamo traces a ``torch.compile``d step (the wrapper is inlined, and there it is the original).
 
 Under ``gt.compile`` the call is one task of the graph (actor_rt/capture.py), run by each replay with
 the settings of the optimizer's parameter group as they are then: a learning-rate schedule, a changed
@@ -41,7 +41,6 @@ import functools
 import importlib
 import inspect
 import operator
-import sys
 from typing import Callable, List, Optional
 
 import torch
@@ -136,12 +135,12 @@ class PiecesCall:
         self.tensor_args = [k for k, v in bound.items() if k not in columns and isinstance(v, torch.Tensor)]
         self.settings = {k: v for k, v in bound.items() if k not in columns and k not in self.tensor_args}
         self.live: dict = {}                      # setting name -> (group, key, index or None)
-        placeholders = [j for j, (_, r) in enumerate(order) if r is None]
-        self.placeholders = [(j, params[order[j][0]].dtype, params[order[j][0]].device) for j in placeholders]
+        self.placeholders = [(j, params[i].dtype, params[i].device) for j, (i, r) in enumerate(order) if r is None]
+        self.held = len(order) - len(self.placeholders)      # pieces per global list
         # a plain list's state at each position of the order: its own (at the element's first held
         # position) or a copy, made at the call; with one position per element, the list as given
         self.copies = self.plain_order = None
-        if len(order) != self.n or order[0][0] != 0 or order[-1][0] != self.n - 1:
+        if len(order) != self.n:
             seen: set = set()
             self.copies = []
             for i, _ in order:
@@ -206,9 +205,8 @@ class PiecesCall:
                     own = [own[i].clone() if copy else own[i] for i, copy in zip(self.plain_order, self.copies)]
                 call[k] = own
                 continue
-            held = len(self.order) - len(self.placeholders)
-            pieces = list(tensors[at:at + held])
-            at += held
+            pieces = list(tensors[at:at + self.held])
+            at += self.held
             for j, dtype, device in self.placeholders:
                 pieces.insert(j, torch.empty(0, dtype=dtype, device=device))
             call[k] = pieces
@@ -222,7 +220,7 @@ class PiecesCall:
 
     def __call__(self, *tensors):
         """Run the update on these tensors (a graph's task; the eager call passes :attr:`inputs`)."""
-        _plain_update(self.fn)(**self.rebuild(tensors))
+        self.fn(**self.rebuild(tensors))
         return ()
 
     def __str__(self) -> str:
@@ -294,22 +292,6 @@ def _pieces(values: list, order: list, ranks: Optional[list]) -> list:
 
 
 _PLACEMENT = operator.attrgetter("placement")
-
-
-def _plain_update(fn: Callable) -> Callable:
-    """``fn`` as called on plain pieces: where Dynamo is loaded, with it disabled inside. The library's
-    frames are Dynamo's skipped ones (compat/dynamo.py), so inside a ``torch.compile``d step this
-    update runs eagerly after a graph break; without the disable, Dynamo would go on to compile
-    torch.optim's frames below it on the pieces."""
-    if "torch._dynamo" not in sys.modules:
-        return fn
-    disabled = _DISABLED.get(fn)
-    if disabled is None:
-        disabled = _DISABLED[fn] = sys.modules["torch._dynamo"].disable(fn)
-    return disabled
-
-
-_DISABLED: dict = {}
 
 
 def _live_settings(settings: dict, first_param) -> tuple:
