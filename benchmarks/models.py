@@ -37,14 +37,16 @@ import globaltensor as gt
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 VOCAB, HIDDEN, LAYERS, HEADS, BATCH, SEQ = 128, 64, 2, 4, 8, 16
+KV_HEADS = 2            # llama-gqa: fewer kv heads than the 4 tensor-parallel ranks (sdpa's enable_gqa)
 
 
 def make_model(kind: str, attn: str, dtype) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind.startswith("llama"):
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                          num_key_value_heads=KV_HEADS if kind == "llama-gqa" else HEADS,
                           max_position_embeddings=4 * SEQ, attn_implementation=attn)
         return LlamaForCausalLM(cfg).to(dtype)
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=4 * SEQ,
@@ -75,7 +77,12 @@ def ideal(plan: str, model, itemsize: int) -> tuple:
     """(bytes, collectives) of the hand-written step."""
     n_params = len(list(model.parameters()))
     if plan == "tp":
-        return 4 * LAYERS * all_reduce_bytes(4, BATCH * SEQ * HIDDEN * itemsize), 4 * LAYERS
+        # Megatron with fewer kv heads than ranks repeats them over the ranks: their projections'
+        # gradients are all-reduced too
+        kv = [p for name, p in model.named_parameters() if name.endswith(("k_proj.weight", "v_proj.weight"))
+              and all(v.is_broadcast for v in p.sbp)]
+        kv_bytes = sum(all_reduce_bytes(4, p.layout_meta.piece_bytes(0)) for p in kv)
+        return 4 * LAYERS * all_reduce_bytes(4, BATCH * SEQ * HIDDEN * itemsize) + kv_bytes, 4 * LAYERS + len(kv)
     if plan == "dp":
         return gradient_bytes(model, 0), n_params
     megatron = 4 * LAYERS * all_reduce_bytes(2, BATCH // 2 * SEQ * HIDDEN * itemsize)
@@ -95,7 +102,7 @@ def run_transformer(kind: str, attn: str, plan: str, dtype, repeats: int) -> dic
     model = make_model(kind, attn, dtype)
     reference = copy.deepcopy(model)
     placement = gt.placement("cpu", [[0, 1], [2, 3]] if plan == "2x2" else [0, 1, 2, 3])
-    plans = {"llama": gt.nn.llama_plan, "gpt2": gt.nn.gpt2_plan}[kind]
+    plans = {"llama": gt.nn.llama_plan, "llama-gqa": gt.nn.llama_plan, "gpt2": gt.nn.gpt2_plan}[kind]
     layout = {"tp": plans(model, 4), "dp": {}, "2x2": plans(model, 2, axis=1, ndim=2)}[plan]
     gt.nn.distribute_module(model, placement, layout)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -161,8 +168,8 @@ def measure(quick: bool, dtype=torch.float32) -> list:
     warnings.filterwarnings("ignore", message=".*(bos|eos)_token_id.*")
     rows = []
     with gt.simulate(4):
-        for kind in ("llama", "gpt2"):
-            for attn in ("sdpa", "eager"):
+        for kind, attns in (("llama", ("sdpa", "eager")), ("llama-gqa", ("sdpa",)), ("gpt2", ("sdpa", "eager"))):
+            for attn in attns:
                 for plan in ("tp", "dp", "2x2"):
                     print(f"  models: {kind} {attn} {plan} ...", flush=True)
                     rows.append(run_transformer(kind, attn, plan, dtype, repeats))

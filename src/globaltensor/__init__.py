@@ -17,6 +17,7 @@ from .tensor import GlobalTensor
 from .ops import arange, empty, full, manual_seed, ones, rand, randn, register_rule, zeros
 from .ops.explicit import ImplicitBoxingError, explicit
 from .ops.dispatch import dispatch_cache_clear, dispatch_cache_info, set_dispatch_cache_size
+from .ops.fallback import fallback_calls, fallback_calls_clear
 from .ops.executor.lists import install_foreach_support
 from .nn.optim_pieces import install_optimizer_pieces
 from .nn.fed_numbers import install_fed_numbers
@@ -45,5 +46,5 @@ __all__ = [
     "to_dtensor", "from_dtensor",
     "comm_profile", "CommProfile", "set_log_level",
     "set_timeout", "set_check", "CollectiveError", "ConsistencyError", "calibrate", "explicit", "ImplicitBoxingError",
-    "dispatch_cache_info", "dispatch_cache_clear", "set_dispatch_cache_size",
+    "dispatch_cache_info", "dispatch_cache_clear", "set_dispatch_cache_size", "fallback_calls", "fallback_calls_clear",
 ]

@@ -150,32 +150,24 @@ def _check_device(t: torch.Tensor, placement: Placement) -> None:
 def distribute(t: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
     """``t`` is the whole logical tensor (equal on every rank); each rank keeps its own slice.
 
-    The result owns its memory, as ``torch.tensor`` does: writing into it leaves ``t`` alone
-    (a piece that would be ``t`` itself or a slice of it is copied; only those are)."""
+    The result is a new leaf with ``t``'s ``requires_grad``, as DTensor's ``distribute_tensor`` gives:
+    its ``.grad`` fills in the backward (``x.to_global(...)`` is the differentiable form, whose
+    gradient reaches ``t``). It owns its memory, as ``torch.tensor`` does: writing into it leaves
+    ``t`` alone (a piece that would be ``t`` itself or a slice of it is copied; only those are)."""
     if not isinstance(t, torch.Tensor) or isinstance(t, GlobalTensor):
         raise TypeError(f"distribute: expected a plain torch.Tensor, got {type(t).__name__}")
     placement = check_placement(placement)
     nd = as_nd_sbp(sbp, placement.ndim, t.dim(), "distribute(sbp)")
-    if t.device.type != placement.type:
-        t = t.to(get_world().device(placement.type, get_world().local_ranks[0]))
-    out = _Replicate.apply(t, placement).to_global(placement, nd)
-    storage = t.untyped_storage().data_ptr()
+    source = t.detach()
+    if source.device.type != placement.type:
+        source = source.to(get_world().device(placement.type, get_world().local_ranks[0]))
+    with torch.no_grad():
+        out = replicate(source, placement).to_global(placement, nd)
+    storage = source.untyped_storage().data_ptr()
     for r, piece in out._pieces.items():
         if piece.numel() and piece.untyped_storage().data_ptr() == storage:
             out._pieces[r] = piece.clone()
-    return out
-
-
-class _Replicate(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, placement):
-        ctx.device = t.device
-        return replicate(t, placement)
-
-    @staticmethod
-    def backward(ctx, grad):
-        whole = grad.full_tensor() if isinstance(grad, GlobalTensor) else grad
-        return whole.to(ctx.device), None
+    return out.requires_grad_(t.requires_grad) if t.requires_grad else out
 
 
 def install_tensor_methods() -> None:

@@ -187,10 +187,15 @@ class GlobalTensor(torch.Tensor):
         """The gradient in this tensor's layout (partial axes as broadcast): an accumulated
         partial gradient is reduced here, once, when it is read. A gradient already in it takes
         the tensor's interned layout object (and so does the tensor), so that the next read -- an
-        optimizer's step reads each gradient several times -- is an identity check."""
+        optimizer's step reads each gradient several times -- is an identity check.
+
+        A parameter a ``ZeroOptimizer`` shards (``_sharded_grad``: its shard's nd-SBP) reads its
+        gradient in the shard's layout instead: the reduce-scatter ZeRO makes anyway, never gathered
+        back -- clipping measures and scales the shards, as the optimizer steps them."""
         g = _grad_slot.__get__(self)
         if g.__class__ is GlobalTensor and g._layout is not self._layout:     # the same object: nothing to do
-            want = gradient_layout(self._layout)
+            sharded = self.__dict__.get("_sharded_grad")
+            want = gradient_layout(self._layout) if sharded is None else self._layout.with_sbp(sharded)
             if g._layout != want:
                 g = run_labelled("grad read", box, g, want)
                 _grad_slot.__set__(self, g)

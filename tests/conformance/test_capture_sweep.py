@@ -24,6 +24,7 @@ SWEEP = [
     "_upsample_bilinear2d_aa", "bernoulli", "nn.functional.dropout", "nn.functional.unfold", "nn.functional.conv1d",
     "nn.functional.conv2d", "nn.functional.conv3d", "nn.functional.embedding", "nn.functional.nll_loss",
     "nn.functional.cross_entropy", "rand_like", "randn_like", "randint_like", "nn.functional.pad.replicate",
+    "linalg.vector_norm",
 ]
 
 # kernels neither an OpInfo sample nor capture_run.EXTRA reaches on global tensors, and why
@@ -32,6 +33,9 @@ UNREACHED = {
     "aten._upsample_bicubic2d_aa_backward.default": "no OpInfo op samples bicubic antialiasing",
     "aten._native_batch_norm_legit_functional.default": "made by functionalization (torch.compile), not eager",
     "aten.embedding_renorm.default": "the functional form, made by functionalization (torch.compile)",
+    **{f"aten.norm.{o}": "torch.norm with a number p reaches linalg_vector_norm; aten.norm only by a direct call "
+                         "(tests/ops/test_reduction.py runs each candidate)"
+       for o in ("Scalar", "ScalarOpt_dim", "ScalarOpt_dim_dtype", "ScalarOpt_dtype")},
 }
 
 OPS = {run.op_id(op): op for op in run.load_ops()}

@@ -48,15 +48,46 @@ def test_sdpa_masks_and_scale():
 
 
 def test_sdpa_grouped_query_attention():
-    """GQA (8 query heads, 2 kv heads): batch and query splits, no head split."""
-    q, k, v = _qkv(3, 8, 5, 6, 4, hk=2, seed=3)
+    """GQA (8 query heads, 4 kv heads): every candidate -- the head split, where a rank's query heads
+    are its kv heads' groups, and q split on heads with k and v whole -- equals one device; random
+    layouts (2 kv heads too) with gradients."""
+    q, k, v = _qkv(3, 8, 5, 6, 4, hk=4, seed=3)
     sigs = candidate_signatures(FWD, q, k, v, 0.0, True)
-    assert not any(c.inputs[0] == S(1) for c in sigs)
-    check_candidates(FWD, q, k, v, 0.0, True, max_2d=6)
+    assert {(S(1), S(1), S(1)), (S(1), B, B)} <= {c.inputs for c in sigs}
+    check_candidates(FWD, q, k, v, 0.0, True, max_2d=8)
     out, lse = FWD(q, k, v, 0.0, True)
-    check_candidates(BWD, torch.randn_like(out), q, k, v, out, lse, 0.0, True, max_2d=6)
-    check_layouts(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                  q, k, v, grad=True, trials=2, placements=("1d",))
+    check_candidates(BWD, torch.randn_like(out), q, k, v, out, lse, 0.0, True, max_2d=8)
+    for hk in (4, 2):
+        q, k, v = _qkv(3, 8, 5, 6, 4, hk=hk, seed=3)
+        check_layouts(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                      q, k, v, grad=True, trials=4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,lined_up", [(8, 4, True), (8, 2, False), (4, 2, False), (6, 3, False)])
+def test_a_gqa_head_split_is_admitted_only_where_the_heads_line_up(p1, heads, kv_heads, lined_up):
+    """On 4 ranks a head split of q and k lines up only where 4 divides the kv heads; else q keeps its
+    head split and each rank takes the kv heads its query heads read from whole k and v: no
+    collective in the forward, the kv gradients partial (each rank's share) in the backward."""
+    from globaltensor.ops import decide as stages
+    q, k, v = _qkv(2, heads, 8, 8, 4, hk=kv_heads, seed=5)
+    q, k, v = (t.double() for t in (q, k, v))
+    gq = gt.distribute(q, p1, S(1)).requires_grad_()
+    gk, gv = (gt.distribute(t, p1, S(1)) for t in (k, v))
+    r = stages.route(FWD, (gq, gk, gv, 0.0, True), {})
+    problem = stages.candidates(r, FWD, (gq, gk, gv, 0.0, True), {}, True)
+    assert any(c.inputs == ((S(1),),) * 3 for c in problem.candidates) == lined_up
+    gk, gv = (gt.distribute(t, p1, S(1) if lined_up else B).requires_grad_() for t in (k, v))
+    with gt.comm_stats() as st:
+        out = F.scaled_dot_product_attention(gq, gk, gv, is_causal=True, enable_gqa=True)
+    assert st.count == 0 and out.sbp == (S(1),)
+    weights = torch.randn(out.shape, dtype=torch.float64)
+    (out * gt.distribute(weights, p1, S(1))).sum().backward()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(out.full_tensor(), want, rtol=1e-12, atol=1e-13)
+    for g, w in ((gq, q), (gk, k), (gv, v)):
+        torch.testing.assert_close(g.grad.full_tensor(), w.grad, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("causal", [False, True])

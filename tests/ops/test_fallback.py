@@ -195,3 +195,17 @@ def test_composite_ops_inside_decompositions_are_taken_apart(name):
     fn, args = COMPOSITE_INSIDE_DECOMPOSITIONS[name]
     with no_fallback():
         check_layouts(fn, *args, grad=True, trials=3)
+
+
+def test_fallback_calls_lists_the_ops_that_fell_back(p1):
+    """The public count: an op gathered to run shows up with its calls; one with a rule does not."""
+    gt.fallback_calls_clear()
+    x = gt.distribute(T, p1, S(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.histc(x, bins=5)
+        torch.histc(x, bins=4)
+    (x + 1).sum()
+    assert gt.fallback_calls() == {str(aten.histc.default): 2}
+    gt.fallback_calls_clear()
+    assert gt.fallback_calls() == {}

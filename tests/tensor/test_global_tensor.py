@@ -179,3 +179,20 @@ def test_distribute_owns_its_memory(sbp):
             x.add_(1)
         torch.testing.assert_close(t, before)
         torch.testing.assert_close(x.full_tensor(), before + 1)
+
+
+@pytest.mark.parametrize("sbp", [B, S(0), P])
+def test_distribute_gives_a_leaf_and_to_global_stays_differentiable(p1, sbp):
+    """As DTensor's ``distribute_tensor``: a leaf with the source's ``requires_grad``, whose ``.grad``
+    fills (in its own layout); ``to_global`` of the same tensor passes the gradient to the source."""
+    t = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    x = gt.distribute(t, p1, sbp)
+    assert x.is_leaf and x.requires_grad
+    assert not gt.distribute(t.detach(), p1, sbp).requires_grad
+    (x * 2).sum().backward()
+    assert t.grad is None and x.grad.sbp == tuple(B if v.is_partial else v for v in x.sbp)
+    torch.testing.assert_close(x.grad.full_tensor(), torch.full((8, 3), 2.0, dtype=torch.float64))
+    y = t.to_global(p1, sbp)
+    assert not y.is_leaf
+    (y * 3).sum().backward()
+    torch.testing.assert_close(t.grad, torch.full((8, 3), 3.0, dtype=torch.float64))

@@ -1,7 +1,7 @@
 """torch.compile on global tensors in a process world (2 gloo processes): the GPT's forward and backward
 compile into one graph whose collectives are torch's functional collectives (``_c10d_functional``
 ops, which Inductor can reorder), and equal the eager global run in float64 -- data parallel,
-Megatron tensor parallel, and the sequence split with one head (ring attention: its key/value
+Megatron tensor parallel, Megatron-SP (its activation entries traced), and the sequence split with one head (ring attention: its key/value
 blocks move as functional all-to-alls, plain and head-tail) -- and a conversion between placements,
 whose send / recv is one functional all-to-all over its peers. Every rank compiles and runs the
 same program."""
@@ -18,9 +18,11 @@ from gpt import GPT, GPTConfig, TENSOR_PARALLEL, make_batch
 
 torch.set_default_dtype(torch.float64)
 S, B = gt.sbp.split, gt.sbp.broadcast
-CONFIGS = {"dp": GPTConfig(n_layer=1), "tp": GPTConfig(n_layer=1), "cp": GPTConfig(n_layer=1, n_head=1),
-           "cp_ht": GPTConfig(n_layer=1, n_head=1)}
-BATCH = {"dp": S(0), "tp": B, "cp": S(1), "cp_ht": S(1, order="head_tail")}
+CONFIGS = {"dp": GPTConfig(n_layer=1), "tp": GPTConfig(n_layer=1), "sp": GPTConfig(n_layer=1),
+           "cp": GPTConfig(n_layer=1, n_head=1), "cp_ht": GPTConfig(n_layer=1, n_head=1)}
+BATCH = {"dp": S(0), "tp": B, "sp": S(1), "cp": S(1), "cp_ht": S(1, order="head_tail")}
+PLANS = {"tp": lambda: gnn.megatron_plan(**TENSOR_PARALLEL),
+         "sp": lambda: gnn.megatron_plan(**TENSOR_PARALLEL, sequence_parallel=True)}
 p = gt.placement("cpu", list(range(gt.world_size())))
 targets = []
 
@@ -38,7 +40,7 @@ for layout, cfg in CONFIGS.items():
     for _ in range(2):
         m = GPT(cfg)
         m.load_state_dict(base.state_dict())
-        gnn.distribute_module(m, p, gnn.megatron_plan(**TENSOR_PARALLEL) if layout == "tp" else None)
+        gnn.distribute_module(m, p, PLANS[layout]() if layout in PLANS else None)
         models.append(m)
     sbp = BATCH[layout]
     i, t = gt.distribute(idx, p, sbp), gt.distribute(tgt, p, sbp)
@@ -70,6 +72,7 @@ def test_gpt_compiles_with_functional_collectives_on_two_processes(launch):
     import os
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
     job = launch(SCRIPT.replace("EXAMPLES", repr(examples)), 2, timeout=600)
-    for layout in ("dp", "tp", "cp", "cp_ht", "across"):
+    for layout in ("dp", "tp", "sp", "cp", "cp_ht", "across"):
         assert job.stdout.count(f"ok {layout} ") == 2, job.describe()
-    assert job.stdout.count("_c10d_functional.all_to_all_single") == 4, job.describe()   # cp, cp_ht: the ring
+    # cp, cp_ht: the ring; sp: its reduce-scatters (an all-to-all and a local sum: comm/functional.py)
+    assert job.stdout.count("_c10d_functional.all_to_all_single") == 6, job.describe()

@@ -1,6 +1,7 @@
 """torch.compile on global tensors in a simulated world: examples/gpt.py's forward and backward with each
-layout of the how-tos compile into one graph with ``fullgraph=True`` (no graph break) and equal the
-eager global run in float64; the graph holds only the pieces' ops.
+layout of the how-tos (Megatron-SP's activation entries included) compile into one graph with
+``fullgraph=True`` (no graph break) and equal the eager global run in float64; the graph holds only
+the pieces' ops.
 
 GlobalTensor is a traceable wrapper subclass (``__tensor_flatten__``: one inner tensor per rank
 this process holds), so Dynamo leaves the library's Python alone and AOTAutograd traces the
@@ -26,6 +27,10 @@ LAYOUTS = {
     "fsdp": ([0, 1, 2, 3], lambda: {"wte.weight": B, "wpe.weight": B, "*.weight": S(0), "*.bias": S(0)}, (S(0),)),
     "loss_parallel": ([0, 1, 2, 3], lambda: gnn.megatron_plan(**TENSOR_PARALLEL, extra={"lm_head.weight": S(0)}), (B,)),
     "context_parallel": ([0, 1, 2, 3], lambda: None, (S(1, order="head_tail"),)),
+    # Megatron-SP: the activation entries' hooks trace into the graph (nn/activation_layouts.py)
+    "megatron_sp": ([0, 1, 2, 3], lambda: gnn.megatron_plan(**TENSOR_PARALLEL, sequence_parallel=True), (S(1),)),
+    "hybrid_sp": ([[0, 1], [2, 3]], lambda: gnn.megatron_plan(**TENSOR_PARALLEL, axis=1, ndim=2, sequence_parallel=True),
+                  (S(0), S(1))),
 }
 
 

@@ -81,8 +81,8 @@ def train_side_by_side(placement, plan, batch_sbp, optimizer: Tuple[type, dict],
         if zero_axis is not None:
             shards = [opt.shard_of(p) for p in model.parameters()]
             _check_grads(names, shards, reference.parameters(), step)
-            for name, p in zip(names, model.parameters()):       # and read in the parameter's own layout
-                assert p.grad.sbp == p.sbp, f"step {step}: {name}.grad has sbp {p.grad.sbp}, param {p.sbp}"
+            for name, p, s in zip(names, model.parameters(), shards):     # and read as the shards hold them
+                assert p.grad.sbp == s.sbp, f"step {step}: {name}.grad has sbp {p.grad.sbp}, shard {s.sbp}"
         opt.zero_grad()
         ref_opt.zero_grad()
         run.losses.append(loss.item())

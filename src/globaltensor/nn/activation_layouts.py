@@ -9,15 +9,18 @@ result (the first element of a tuple result) after. The value gives an SBP per p
 how Megatron's sequence parallelism is asked for (``megatron_plan(..., sequence_parallel=True)``):
 activations stay split on the sequence between the tensor-parallel regions, gathered on entering
 a column-parallel layer and reduce-scattered on leaving a row-parallel one; the boxings'
-gradients are the reverse collectives, so the backward follows by itself.
+gradients are the reverse collectives, so the backward follows by itself. The hooks trace into a
+``torch.compile``d module's graph: Megatron-SP compiles with no graph break.
 """
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 from typing import List, Tuple
 
+import torch
 from torch import nn
 
+from ..compat.dynamo import inlined_wrapper
 from ..placement import Placement
 from ..sbp.values import SbpValue
 from ..tensor import GlobalTensor
@@ -69,8 +72,6 @@ def _boxed(t, values: tuple):
     """``t`` boxed to ``values``; the result is kept on ``t`` (while ``t`` is unchanged), so that the
     layers reading one input -- q, k and v projections -- share one gather, and their gradients
     meet before one reduce-scatter back."""
-    if not isinstance(t, GlobalTensor):
-        return t
     nd = tuple(t.sbp[a] if v is None else v for a, v in enumerate(values))
     if nd == t.sbp:
         return t
@@ -82,21 +83,46 @@ def _boxed(t, values: tuple):
     return out
 
 
+#: the hooks' code, in a file of its own (compat/dynamo.py ``inlined_wrapper``): ``torch.compile``
+#: traces a hook into the module's graph -- there the boxing is ``to_global``, which Dynamo traces
+#: (one gather per reading layer; the graph's compiler may merge them), eagerly :func:`_boxed`
+_HOOKS = """
+def boxed(t):
+    if not isinstance(t, GlobalTensor):
+        return t
+    if is_compiling():
+        nd = tuple(t.sbp[a] if v is None else v for a, v in enumerate(values))
+        return t if nd == t.sbp else t.to_global(sbp=nd)
+    return eagerly(t, values)
+
+
+def box_input(module, args, kwargs):
+    for i, a in enumerate(args):
+        if isinstance(a, GlobalTensor):
+            return args[:i] + (boxed(a),) + args[i + 1:], kwargs
+    for k, a in kwargs.items():
+        if isinstance(a, GlobalTensor):
+            return args, dict(kwargs, **{k: boxed(a)})
+    return None
+
+
+def box_output(module, args, out):
+    if isinstance(out, tuple) and out:
+        return (boxed(out[0]),) + out[1:]
+    return boxed(out)
+"""
+
+
+def _hook(name: str, values: tuple):
+    """The hook ``name`` of :data:`_HOOKS` boxing to ``values``."""
+    namespace = {"values": values, "GlobalTensor": GlobalTensor, "is_compiling": torch.compiler.is_compiling,
+                 "eagerly": _boxed}
+    return inlined_wrapper(_HOOKS, name, namespace, "activation entry")
+
+
 def _box_input(values: tuple):
-    def hook(module, args, kwargs):
-        for i, a in enumerate(args):
-            if isinstance(a, GlobalTensor):
-                return args[:i] + (_boxed(a, values),) + args[i + 1:], kwargs
-        for k, a in kwargs.items():
-            if isinstance(a, GlobalTensor):
-                return args, dict(kwargs, **{k: _boxed(a, values)})
-        return None
-    return hook
+    return _hook("box_input", values)
 
 
 def _box_output(values: tuple):
-    def hook(module, args, out):
-        if isinstance(out, tuple) and out:
-            return (_boxed(out[0], values),) + out[1:]
-        return _boxed(out, values)
-    return hook
+    return _hook("box_output", values)

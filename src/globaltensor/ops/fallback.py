@@ -4,13 +4,15 @@ Correct for any op (data-dependent output shapes included) at the price of the g
 warns once per op so the missing rule is visible. The op writes into the gathered copies, so
 every argument its schema marks written, returned or not, is written back: a global tensor
 boxed from the written copy into its own layout (a split one takes its slice, a partial one
-the value on its first rank and zeros elsewhere), a plain one from the first rank's copy. ``taken`` counts the calls per op, so a
-caller (the conformance suite) can tell whether a computation went through it.
+the value on its first rank and zeros elsewhere), a plain one from the first rank's copy. ``taken`` counts the calls per op;
+``gt.fallback_calls()`` reports them, so a program (and the conformance suite) can tell whether a
+computation went through it.
 """
 from __future__ import annotations
 
 import warnings
 from collections import Counter
+from typing import Dict
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -26,6 +28,17 @@ from .writes.viewwrite import fallback_view, propagate
 
 _warned: set = set()
 taken: Counter = Counter()
+
+
+def fallback_calls() -> Dict[str, int]:
+    """``{op name: calls}``: the ops that ran through the gather fallback in this process, since its
+    start or :func:`fallback_calls_clear`, most called first."""
+    return {str(func): n for func, n in taken.most_common()}
+
+
+def fallback_calls_clear() -> None:
+    """Start :func:`fallback_calls` over."""
+    taken.clear()
 
 
 def _warn_once(func) -> None:

@@ -24,9 +24,9 @@ once per call even when this process holds no rank of the placement (random ops 
 their counters there, so every process agrees), for ops whose pieces are not simply the
 aten op on the pieces (a random mask drawn from the rank's box, a vocabulary-split lookup).
 ``kernel_bytes``: what a candidate costs beyond its boxing, in bytes --
-``kernel_bytes(inputs' layouts as they come, their layouts under the candidate, recorded) -> int``:
-the most bytes a rank sends where the ``kernel`` communicates by itself (ring attention passing its
-key and value blocks around; ``recorded``: autograd records the op, so its backward's count too, as
+``kernel_bytes(inputs' layouts as they come, their layouts under the candidate, the outputs' layouts
+under it, recorded) -> int``: the most bytes a rank sends where the ``kernel`` communicates by itself
+(ring attention passing its key and value blocks around, a norm combining its pieces' norms; ``recorded``: autograd records the op, so its backward's count too, as
 the gradients' way back does for boxing), and the bytes of gathered inputs a rank holds until the
 backward where holding them is what the layout exists to avoid (sdpa's whole k and v under a
 sequence split): the cost model adds them to the candidate's boxing. ``admit``: where a

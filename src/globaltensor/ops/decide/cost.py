@@ -101,8 +101,9 @@ def _kernel_bytes(problem: Problem, c) -> int:
     sdpa's gathered k and v held for the backward), or 0."""
     if problem.kernel_bytes is None:
         return 0
+    outs = [Layout(shape, dtype, problem.placement, nd) for (shape, dtype), nd in zip(problem.out_meta, c.outputs)]
     return problem.kernel_bytes(problem.in_layouts, [lay.with_sbp(nd) for lay, nd in zip(problem.in_layouts, c.inputs)],
-                                any(problem.recorded))
+                                outs, any(problem.recorded))
 
 
 def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:

@@ -9,6 +9,10 @@ of the unscale is one plain tensor per device: each call sets it where its piece
 NaN, and in a process world it is then summed over the ranks of the gradients' placements and
 clamped to 1 -- every rank takes the same skip decision, and an inf on one rank's piece counts for
 the whole tensor.
+
+The elements run on their own through the dispatcher run in one ``group_reduce.batched()``: the
+partial results their kernels combine (``_foreach_norm``'s norms of split gradients) go in one
+collective per group of ranks, not one per element.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from ..boxed_copy import box_input
 from ..explicit import explicit, refuse_implicit
 from ..decide.decision import Decision
 from ..foreach import element_call
+from ..group_reduce import batched
 from ..writes.viewwrite import propagate
 
 _LAYOUT_OF = attrgetter("_layout")
@@ -79,10 +84,11 @@ class ListRunner:
         if self.kind == "unscale":
             self._agree_found_inf(args, kwargs, given_found)
         self._write_back(args, kwargs, boxed)
-        for i in self.solo:
-            result = self._run_solo(args, kwargs, i)
-            if outputs is not None:
-                outputs[i] = result
+        with batched():
+            for i in self.solo:
+                result = self._run_solo(args, kwargs, i)
+                if outputs is not None:
+                    outputs[i] = result
         return outputs
 
     def _inputs(self, args, kwargs) -> tuple:

@@ -11,10 +11,14 @@ Every (batch, head) pair attends by itself, and every query row by itself given 
 
 - batch split: ``S(0)`` on q, k, v (the mask ``S`` on its batch dim, or ``B`` where it has
   none) -> ``S(0), S(0)``; backward all ``S(0)``.
-- head split: ``S(1)`` on q, k, v -> ``S(1), S(1)``; backward all ``S(1)``. Only without grouped
-  query attention (``H == Hk``): with GQA, query head ``h`` reads kv head ``h // (H / Hk)``, and
-  balanced splits of H and Hk line up only for some numbers of ranks (a rule cannot see that
-  number); GQA keeps the batch and query splits.
+- head split: ``S(1)`` on q, k, v -> ``S(1), S(1)``; backward all ``S(1)``. Under grouped-query
+  attention (``enable_gqa=True``: ``H = G * Hk``, query head ``h`` reads kv head ``h // G``) only
+  where each rank's query heads are its kv heads' groups (``admit``: attention_cost.py
+  ``heads_line_up``), as when the ranks divide Hk.
+- GQA with the kv heads whole: q ``S(1)``, k and v ``B`` -> ``S(1), S(1)`` (fewer kv heads than
+  ranks: each rank takes the kv heads its query heads read -- ``local`` -- as Megatron repeats them
+  over the ranks); backward -> ``S(1), P, P`` (each rank adds its query heads' share to the kv
+  heads they read, zero elsewhere).
 - query split: q ``S(2)``, k and v ``B`` (the mask ``S`` on its query dim) -> ``S(2), S(2)``;
   backward: grad_out, q, out, logsumexp ``S(2)``, k, v ``B`` -> ``S(2), P, P`` (each rank's rows
   add their part to the k and v gradients). ``is_causal`` means query ``i`` sees keys ``<= i``
@@ -36,7 +40,7 @@ import torch
 
 from ..registry import aten, register_rule
 from .common import B, P, S, bind, call_args, sig
-from .attention_cost import DROPOUT, attention_kernel_bytes, keeps_the_work_divided
+from .attention_cost import DROPOUT, admit_attention, attention_kernel_bytes, kv_heads_read
 from .ring_attention import ring_backward, ring_forward, seq_axes
 
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -58,9 +62,10 @@ def _shapes_ok(q, k, v) -> bool:
 def _forward_candidates(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     if dropout_p != 0 or not _shapes_ok(query, key, value):
         return []
-    cands = [sig([S(0)] * 3 + _mask(attn_mask, 0), [S(0), S(0)])]
-    if query.shape[1] == key.shape[1]:
-        cands.append(sig([S(1)] * 3 + _mask(attn_mask, 1), [S(1), S(1)]))
+    cands = [sig([S(0)] * 3 + _mask(attn_mask, 0), [S(0), S(0)]),
+             sig([S(1)] * 3 + _mask(attn_mask, 1), [S(1), S(1)])]
+    if query.shape[1] != key.shape[1]:
+        cands.append(sig([S(1), B, B] + _mask(attn_mask, 1), [S(1), S(1)]))
     cands.append(sig([S(2)] * 3 + _mask(attn_mask, 2), [S(2), S(2)]))               # ring attention
     if not (is_causal and attn_mask is not None):
         cands.append(sig([S(2), B, B] + _mask(attn_mask, 2), [S(2), S(2)]))
@@ -85,9 +90,9 @@ def _backward_candidates(grad_out, query, key, value, out, logsumexp, dropout_p=
                          attn_mask=None, scale=None):
     if dropout_p != 0 or not _shapes_ok(query, key, value):
         return []
-    cands = [sig([S(0)] * 6 + _mask(attn_mask, 0), [S(0)] * 3)]
-    if query.shape[1] == key.shape[1]:
-        cands.append(sig([S(1)] * 6 + _mask(attn_mask, 1), [S(1)] * 3))
+    cands = [sig([S(0)] * 6 + _mask(attn_mask, 0), [S(0)] * 3), sig([S(1)] * 6 + _mask(attn_mask, 1), [S(1)] * 3)]
+    if query.shape[1] != key.shape[1]:
+        cands.append(sig([S(1), S(1), B, B, S(1), S(1)] + _mask(attn_mask, 1), [S(1), P, P]))
     cands.append(sig([S(2)] * 6 + _mask(attn_mask, 2), [S(2)] * 3))                   # ring attention
     if not (is_causal and attn_mask is not None):
         cands.append(sig([S(2), S(2), B, B, S(2), S(2)] + _mask(attn_mask, 2), [S(2), P, P]))
@@ -109,16 +114,47 @@ def _causal_rows(query_layout, rank, query, key):
 
 
 def _local(func, q_index):
+    """Per rank: the kv heads its query heads read (GQA with the kv heads whole), and ``is_causal``
+    as a mask of its query rows (a query split)."""
     def local(rank, ins, outs, *args, **kwargs):
         n = bind(func, args, kwargs)
-        if not n["is_causal"] or seq_axes(ins[q_index + 1]):     # ring attention masks its blocks itself
+        read = kv_heads_read(ins[q_index], ins[q_index + 1], rank)
+        mask = None
+        if n["is_causal"] and not seq_axes(ins[q_index + 1]):     # ring attention masks its blocks itself
+            mask = _causal_rows(ins[q_index], rank, n["query"], n["key"])
+        if read is None and mask is None:
             return args, kwargs
-        mask = _causal_rows(ins[q_index], rank, n["query"], n["key"])
-        if mask is None:
-            return args, kwargs
-        n["is_causal"], n["attn_mask"] = False, mask
+        if read is not None:
+            n["key"], n["value"] = (_heads(t, read) for t in (n["key"], n["value"]))
+        if mask is not None:
+            n["is_causal"], n["attn_mask"] = False, mask
         return call_args(func, n)
     return local
+
+
+def _heads(t, read: list):
+    """The kv heads ``read`` lists, one per query head: a narrowing where they are a run of whole
+    groups or one kv head (the kernel's own GQA then pairs them), else a copy with one kv head per
+    query head."""
+    first, last = read[0], read[-1]
+    if first == last:
+        return t.narrow(1, first, 1)
+    heads = len(read)
+    runs = last - first + 1
+    if heads % runs == 0 and read == [first + i // (heads // runs) for i in range(heads)]:
+        return t.narrow(1, first, runs)
+    return t.index_select(1, torch.tensor(read, device=t.device))
+
+
+def _kv_grad_whole(grad, read: list, kv_heads: int):
+    """A rank's gradient of the kv heads it read (as :func:`_heads` took them) as its share of all
+    ``kv_heads``: added at the heads read, zero elsewhere (a partial sum over the ranks)."""
+    whole = grad.new_zeros(grad.shape[0], kv_heads, *grad.shape[2:])
+    first, last = read[0], read[-1]
+    if grad.shape[1] == len(read):
+        return whole.index_add_(1, torch.tensor(read, device=grad.device), grad)
+    whole.narrow(1, first, last - first + 1).copy_(grad)
+    return whole
 
 
 def _forward_kernel(func, args, kwargs, ins, outs, calls):
@@ -139,11 +175,16 @@ def _backward_kernel(func, args, kwargs, ins, outs, calls):
         return _ring_backward(func, ins, calls)
     results = {}
     for r, (a, kw) in calls.items():
-        n = bind(func, a, kw)
-        q, k, v = n["query"], n["key"], n["value"]
+        q = bind(func, a, kw)["query"]
+        read = kv_heads_read(ins[1], ins[2], r)
         if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
             # no rows here: grad_q is empty, grad_k / grad_v (whole or empty pieces) are zero
-            results[r] = (q.new_empty(q.shape), torch.zeros_like(k), torch.zeros_like(v))
+            results[r] = (q.new_empty(q.shape), *(torch.zeros(o.piece_shape(r), dtype=o.dtype, device=q.device)
+                                                  for o in outs[1:]))
+        elif read is not None:
+            grad_q, grad_k, grad_v = func(*a, **kw)
+            kv_heads = ins[2].shape[1]
+            results[r] = (grad_q, _kv_grad_whole(grad_k, read, kv_heads), _kv_grad_whole(grad_v, read, kv_heads))
         else:
             results[r] = func(*a, **kw)
     return results
@@ -178,8 +219,8 @@ def _ring_backward(func, ins, calls):
 
 
 register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel,
-              kernel_bytes=attention_kernel_bytes(0), admit=keeps_the_work_divided(0), head_tail=_sequence_forward,
+              kernel_bytes=attention_kernel_bytes(0), admit=admit_attention(0), head_tail=_sequence_forward,
               keyed=DROPOUT)
 register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
-              kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1), head_tail=_sequence_backward,
+              kernel_bytes=attention_kernel_bytes(1), admit=admit_attention(1), head_tail=_sequence_backward,
               keyed=DROPOUT)

@@ -22,7 +22,7 @@ def attention_kernel_bytes(q_index: int):
     backward rotation."""
     key, value = q_index + 1, q_index + 2
 
-    def kernel_bytes(sources, ins, recorded: bool) -> int:
+    def kernel_bytes(sources, ins, outs, recorded: bool) -> int:
         if seq_axes(ins[key]):
             if q_index:
                 return ring_bytes(ins[key], ins[value], backward=True)
@@ -48,3 +48,47 @@ def keeps_the_work_divided(q_index: int):
             return False
         return all(not all(source.piece_shape(r)) or all(target.piece_shape(r)) for r in source.placement.rank_list())
     return admit
+
+
+def kv_heads_read(q_layout, k_layout, rank: int):
+    """Under grouped-query attention (``H = G * Hk`` query heads; query head ``h`` reads kv head
+    ``h // G``) with a kv piece that holds every kv head (no split of dim 1) and a query piece that
+    does not hold every query head: for each of the rank's query heads, the kv head it reads. None
+    where the rank's kv piece is its query heads' as it comes (no GQA, or both split alike)."""
+    heads, kv_heads = q_layout.shape[1], k_layout.shape[1]
+    if heads == kv_heads or not kv_heads or any(v.is_split and v.dim == 1 for v in k_layout.nd_sbp):
+        return None
+    ranges = q_layout.segments(rank, 1)
+    if len(ranges) == 1 and ranges[0][2] == heads:
+        return None
+    group = heads // kv_heads
+    return [h // group for start, _, n in ranges for h in range(start, start + n)]
+
+
+def heads_line_up(q_index: int):
+    """Admit a split of the heads only where each rank's query heads read the kv heads its kv piece
+    holds: with GQA's ``G`` query heads per kv head, a rank's query-head ranges must be its kv-head
+    ranges times ``G`` (balanced splits of H and Hk line up so only for some numbers of ranks); a kv
+    piece holding every kv head serves any query heads (the rule's local rewrite takes those they read:
+    :func:`kv_heads_read`)."""
+    key = q_index + 1
+
+    def admit(targets) -> bool:
+        q, k = targets[q_index], targets[key]
+        if not any(v.is_split and v.dim == 1 for v in q.nd_sbp) or not k.shape[1]:
+            return True
+        group = q.shape[1] // k.shape[1]
+        if not any(v.is_split and v.dim == 1 for v in k.nd_sbp):
+            return True
+        for r in q.placement.rank_list():
+            kept = [(s * group, o * group, n * group) for s, o, n in k.segments(r, 1) if n]
+            if [seg for seg in q.segments(r, 1) if seg[2]] != kept:
+                return False
+        return True
+    return admit
+
+
+def admit_attention(q_index: int):
+    """An attention rule's ``admit``: :func:`keeps_the_work_divided` and :func:`heads_line_up`."""
+    divided, lined_up = keeps_the_work_divided(q_index), heads_line_up(q_index)
+    return lambda sources, targets: divided(sources, targets) and lined_up(targets)

@@ -1,4 +1,4 @@
-"""Reductions: sum, mean, amax/amin, max/min, argmax/argmin, var/std, norms, logsumexp, any/all, prod,
+"""Reductions: sum, mean, amax/amin, max/min, argmax/argmin, var/std, logsumexp, any/all, prod,
 and the order statistics of one dim (kthvalue, median, nanmedian, mode).
 
 Every reduction keeps a split of a dim it does not reduce (renumbered when ``keepdim`` is
@@ -18,10 +18,10 @@ sum, exactly, for every piece:
   letting PyTorch decompose mean into ``prims.sum`` / ``prims.div`` -- is exact too, but
   ``prims.div`` has no rule and would gather; the override keeps one local op and a
   partial result with no communication.
-- max/min/argmax/var/std/norm/logsumexp/any/all/prod and the order statistics do not combine
+- max/min/argmax/var/std/logsumexp/any/all/prod and the order statistics do not combine
   by a sum (indices over a split dim are local ones), so a split reduced dim is gathered
-  first: no candidate. Off the reduced dim their indices are exact too: they count
-  positions along that dim, which every rank holds whole.
+  first: no candidate. Off the reduced dim their indices are exact too: they count positions
+  along that dim, which every rank holds whole. Norms combine by their own rule (vector_norm.py).
 
 Partial inputs pass through only the linear reductions, sum and mean (``P -> P``), and only
 where the dtype cast before reducing is linear too (not float -> int, never bool).
@@ -137,12 +137,11 @@ _register([aten.nansum.default], Reduction(split_sums=True))
 _register([aten.mean.default], Reduction(dim_arg=None, split_sums=True, linear=True, divides=True))
 _register([aten.mean.dim], Reduction(split_sums=True, linear=True, divides=True))
 
-_register([aten.amax.default, aten.amin.default, aten.linalg_vector_norm.default, aten.logsumexp.default,
+_register([aten.amax.default, aten.amin.default, aten.logsumexp.default,
            aten.argmax.default, aten.argmin.default, aten.prod.dim_int, aten.any.dim, aten.all.dim,
-           aten.var.dim, aten.std.dim, aten.var.correction, aten.std.correction,
-           aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype], _DIMS)
+           aten.var.dim, aten.std.dim, aten.var.correction, aten.std.correction], _DIMS)
 _register([aten.max.default, aten.min.default, aten.prod.default, aten.any.default, aten.all.default,
-           aten.var.default, aten.std.default, aten.norm.Scalar, aten.norm.ScalarOpt_dtype], _ALL)
+           aten.var.default, aten.std.default], _ALL)
 _register([aten.any.dims, aten.all.dims], Reduction(empty_is_all=False))
 _register([aten.max.dim, aten.min.dim, aten.aminmax.default, aten.var_mean.correction, aten.std_mean.correction,
            aten.var_mean.dim, aten.std_mean.dim, aten.kthvalue.default, aten.median.dim, aten.nanmedian.dim,
