@@ -23,6 +23,20 @@ S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 relu = torch.ops.aten.relu.default
 
 
+def _styled():
+    """A module for the parallel-style cases: a Linear ``fc``, a LayerNorm ``norm``, an Embedding ``emb``."""
+    m = nn.Module()
+    m.fc, m.norm, m.emb = nn.Linear(4, 4), nn.LayerNorm(4), nn.Embedding(4, 4)
+    return m
+
+
+def _partial_style():
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+    gnn.from_parallel_styles(_styled(), {"fc": PrepareModuleOutput(output_layouts=Partial(),
+                                                                   desired_output_layouts=Partial())})
+
+
 def p4():
     return gt.placement("cpu", [0, 1, 2, 3])
 
@@ -409,7 +423,20 @@ CASES = {
     "plan-type": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), "colwise"),
     "plan-entry": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), [("weight", S(0), "extra")]),
     "plan-pattern": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {0: S(0)}),
-    "plan-sbp": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"weight": "colwise"}),
+    "plan-sbp": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"weight": 0.5}),
+    "plan-style-name": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"weight": "column"}),
+    "plan-style-placement": lambda: gnn.distribute_module(_styled(), p22(), {"fc": "colwise"}),
+    "styles-module": lambda: gnn.from_parallel_styles(object(), {}),
+    "styles-dict": lambda: gnn.from_parallel_styles(_styled(), [("fc", "colwise")]),
+    "styles-unmatched": lambda: gnn.from_parallel_styles(_styled(), {"nowhere": "colwise"}),
+    "styles-value": lambda: gnn.from_parallel_styles(_styled(), {"fc": 3}),
+    "styles-unknown-name": lambda: gnn.from_parallel_styles(_styled(), {"fc": "column"}),
+    "styles-local": lambda: gnn.from_parallel_styles(_styled(), {"fc": "local_colwise"}),
+    "styles-layer": lambda: gnn.from_parallel_styles(_styled(), {"norm": "colwise"}),
+    "styles-packed-layer": lambda: gnn.from_parallel_styles(_styled(), {"emb": "packed_colwise"}),
+    "styles-parameter": lambda: gnn.from_parallel_styles(_styled(), {"norm.weight": "colwise"}),
+    "styles-partial": _partial_style,
+    "hf-tp-plan-none": lambda: gnn.hf_tp_plan(_styled()),
     "plan-partial": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"weight": P}),
     "plan-unused": lambda: gnn.distribute_module(nn.Linear(4, 4), p4(), {"*.qkv.weight": S(0)}),
     "plan-tied": _tied,
@@ -432,7 +459,8 @@ CASES = {
     "megatron-plan-flags": lambda: gnn.megatron_plan(["*.fc1"], ["*.fc2"], bias="no"),
     "megatron-plan-patterns": lambda: gnn.megatron_plan(column="*.mlp.fc1"),
     "megatron-plan-extra": lambda: gnn.megatron_plan(["*.fc1"], ["*.fc2"], extra=[("lm_head.weight", S(0))]),
-    "model-plan-config": lambda: gnn.llama_plan({"num_attention_heads": 32}, 4),
+    "model-plan-config": lambda: gnn.gpt2_plan({"n_head": 32}, 4),
+    "llama-plan-heads": lambda: gnn.llama_plan({"num_attention_heads": 32}, 4),
     "model-plan-ranks": lambda: gnn.llama_plan(types.SimpleNamespace(num_attention_heads=32), 0),
     "bucket-gradients-params": lambda: gnn.bucket_gradients(3),
     "no-sync-module": _no_sync_optimizer,

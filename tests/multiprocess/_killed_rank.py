@@ -50,6 +50,7 @@ if launcher == "launch" and gt.rank() == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 sys.stdout.write(f"ready {time.time()}\n")   # one write: torchrun's ranks share one stdout pipe
 sys.stdout.flush()
+x.to_global(sbp=B)            # both ranks have said "ready" before rank 1 dies (a slow rank 0 would not have)
 KILL["on"] = True
 try:
     step(x)

@@ -26,8 +26,26 @@ from ..from_local import distribute
 from ..tensor import GlobalTensor
 from .activation_layouts import check_activation_entry, install as install_activation_layouts, is_activation_key
 from .grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucket_gradients
+from .parallel_styles import HF_STYLES, from_parallel_styles, is_parallel_style
 
 PlanLike = Union[None, Mapping[str, object], Iterable[Tuple[str, object]]]
+
+
+def _styles_translated(module: nn.Module, placement: Placement, plan: PlanLike) -> PlanLike:
+    """``plan`` with its DTensor parallel styles and HF style names (parallel_styles.py) translated on a
+    1-D placement; its SBP entries come first, so they take precedence."""
+    if not isinstance(plan, Mapping) or not any(is_parallel_style(v) for v in plan.values()):
+        return plan
+    styles = {k: v for k, v in plan.items() if is_parallel_style(v)}
+    for pattern, value in styles.items():
+        if isinstance(value, str) and value not in HF_STYLES:
+            raise TypeError(f"plan[{pattern!r}]: expected an SBP (split(d), broadcast), a tuple of them, or a parallel "
+                            f"style (DTensor's, or an HF name: {sorted(HF_STYLES)}), got {value!r}")
+        if placement.ndim != 1:
+            raise TypeError(f"plan[{pattern!r}]: a parallel style ({value!r}) on a placement of {placement.ndim} axes; "
+                            f"say which axis is tensor parallel: gt.nn.from_parallel_styles(module, styles, axis=..., "
+                            f"ndim={placement.ndim})")
+    return {**{k: v for k, v in plan.items() if k not in styles}, **from_parallel_styles(module, styles)}
 
 
 def _entries(plan: PlanLike) -> List[Tuple[str, object]]:
@@ -92,6 +110,7 @@ def match_plan(module: nn.Module, placement: Placement, plan: PlanLike = None, *
         raise TypeError(f"distribute_module(placement=): expected a globaltensor placement, got {placement!r}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"distribute_module: expected an nn.Module, got {type(module).__name__}")
+    plan = _styles_translated(module, placement, plan)
     entries = [(p, v) for p, v in _entries(plan) if not is_activation_key(p)]
     used: set = set()
     out: Dict[str, tuple] = {}
@@ -139,6 +158,8 @@ def distribute_module(module: nn.Module, placement: Placement, plan: PlanLike = 
     each to be reduced when read. ``gt.nn.no_sync(module)`` accumulates without reducing.
     """
     GradBuckets(bucket_bytes)           # validates before anything moves
+    if isinstance(placement, Placement) and isinstance(module, nn.Module):
+        plan = _styles_translated(module, placement, plan)
     layouts = match_plan(module, placement, plan, strict=strict)
     activations = [(p, v) for p, v in _entries(plan) if is_activation_key(p)]
     done: Dict[int, torch.Tensor] = {}

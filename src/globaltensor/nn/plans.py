@@ -37,7 +37,10 @@ tensor-parallel rank holds cut by the axis's size. Inputs ``[batch, seq, ...]``.
 """
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Iterable, Mapping, Optional
+
+from torch import nn
 
 from ..sbp import broadcast, split
 
@@ -156,40 +159,87 @@ def _check_ranks(ranks: int) -> None:
                          f"got {ranks!r}")
 
 
-def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, sequence_parallel: bool = False) -> dict:
-    """Megatron's plan for a Llama-family model (``LlamaForCausalLM``, Mistral, Qwen2, ...) over ``ranks``
-    ranks on placement axis ``axis``: ``q/k/v_proj`` and ``gate/up_proj`` column parallel,
-    ``o_proj`` and ``down_proj`` row parallel; norms, embedding and head broadcast. Biases are
-    planned only where the config has them (``attention_bias``, ``mlp_bias``).
+#: a Llama's module names: HuggingFace's and torchtitan's
+_HF_NAMES = dict(attn="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj", mlp="mlp", gate="gate_proj",
+                 up="up_proj", down="down_proj", embed="*embed_tokens")
+_TITAN_NAMES = dict(attn="attention", q="wq", k="wk", v="wv", o="wo", mlp="feed_forward", gate="w1", up="w3",
+                    down="w2", embed="*tok_embeddings")
 
-    Heads are never cut: the query heads are split only when ``num_attention_heads`` divides
-    evenly over ``ranks`` (else attention stays replicated), and grouped-query key/value heads
-    only when ``num_key_value_heads`` does -- with fewer kv heads than ranks, ``k_proj`` /
-    ``v_proj`` stay broadcast (each rank computes every kv head, the small part of attention),
-    and each rank slices the kv heads its query heads read, with no communication.
-    ``sequence_parallel=True``: Megatron's sequence parallelism (the module docstring); attention
-    left replicated gathers its input and slices its output the same way."""
+
+def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, sequence_parallel: bool = False,
+               heads: Optional[int] = None, kv_heads: Optional[int] = None) -> dict:
+    """Megatron's plan for a Llama-family model (HF's ``LlamaForCausalLM``, Mistral, Qwen2, ... and
+    torchtitan's ``Transformer``: ``attention.wq/wk/wv/wo``, ``feed_forward.w1/w3/w2``) over ``ranks``
+    ranks on placement axis ``axis``: ``q/k/v`` and ``gate/up`` column parallel, ``o`` and ``down``
+    row parallel; norms, embedding and head broadcast.
+
+    Given a model, the plan names only the projections it has -- an MoE model's layers without a
+    dense MLP get the attention plan (``gt.nn.expert_parallel`` splits the experts) -- and splits
+    every bias of a split projection with it (StableLM's q/k/v biases); given a config, biases follow
+    ``attention_bias`` / ``use_qkv_bias`` / ``qkv_bias`` and ``mlp_bias``. ``heads`` / ``kv_heads``
+    give the head counts where no HF-style config says them (``num_attention_heads`` /
+    ``num_key_value_heads``, or torchtitan's ``n_heads`` / ``n_kv_heads``).
+
+    Heads are never cut: the query heads are split only when they divide evenly over ``ranks``
+    (else attention stays replicated), and grouped-query key/value heads only when they do too --
+    with fewer kv heads than ranks, ``k`` / ``v`` stay broadcast (each rank computes every kv head,
+    the small part of attention), and each rank takes the kv heads its query heads read, with no
+    communication. ``sequence_parallel=True``: Megatron's sequence parallelism (the module
+    docstring); attention left replicated gathers its input and slices its output the same way."""
     _check_ranks(ranks)
     config = _config(model_or_config)
-    heads = _size(config, "num_attention_heads")
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attn_bias, mlp_bias = bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))
+    module = model_or_config if isinstance(model_or_config, nn.Module) else None
+    modules = [n for n, _ in module.named_modules()] if module is not None else None
+    names = _TITAN_NAMES if modules is not None and any(n.endswith(".attention.wq") for n in modules) else _HF_NAMES
+    heads = heads if heads is not None else _heads(config, ("num_attention_heads", "n_heads"), "heads")
+    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_heads", None) or heads
+    attn, mlp = names["attn"], names["mlp"]
+
+    def named(*parts: str) -> str:
+        return "*." + ".".join(parts)
+
+    def present(pattern: str) -> bool:
+        return modules is None or any(fnmatchcase(n, pattern) for n in modules)
+
+    def biased(pattern: str, configured: bool) -> bool:
+        if module is None:
+            return configured
+        return any(fnmatchcase(n, pattern) and getattr(m, "bias", None) is not None for n, m in module.named_modules())
+
+    attn_bias = any(bool(getattr(config, k, False)) for k in ("attention_bias", "use_qkv_bias", "qkv_bias"))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    split_attention = heads % ranks == 0
+    column = [named(attn, names["q"])] + ([named(attn, names["k"]), named(attn, names["v"])]
+                                           if kv_heads % ranks == 0 else []) if split_attention else []
+    row = [named(attn, names["o"])] if split_attention else []
+    dense = present(named(mlp, names["gate"]))
+    if dense:
+        column += [named(mlp, names["gate"]), named(mlp, names["up"])]
+        row.append(named(mlp, names["down"]))
     plan: dict = {}
-    if heads % ranks == 0:
-        column = ["*.self_attn.q_proj"] + (["*.self_attn.k_proj", "*.self_attn.v_proj"] if kv_heads % ranks == 0
-                                           else [])
-        for pattern in column:
-            plan.update(column_parallel(pattern, axis, ndim, bias=attn_bias))
-        plan.update(row_parallel("*.self_attn.o_proj", axis, ndim, bias=False))
-    for pattern in ("*.mlp.gate_proj", "*.mlp.up_proj"):
-        plan.update(column_parallel(pattern, axis, ndim, bias=mlp_bias))
-    plan.update(row_parallel("*.mlp.down_proj", axis, ndim, bias=False))
+    for pattern in column:
+        plan.update(column_parallel(pattern, axis, ndim, bias=biased(pattern, mlp_bias if mlp in pattern else attn_bias)))
+    for pattern in row:
+        plan.update(row_parallel(pattern, axis, ndim, bias=biased(pattern, False)))
     if sequence_parallel:
-        attention = (["*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"], ["*.self_attn.o_proj"]) \
-            if heads % ranks == 0 else (["*.self_attn"], ["*.self_attn"])
-        plan.update(sequence_parallel_entries(attention[0] + ["*.mlp.gate_proj", "*.mlp.up_proj"],
-                                              ["*embed_tokens"] + attention[1] + ["*.mlp.down_proj"], axis, ndim))
+        attention = ([named(attn, names[k]) for k in "qkv"], [named(attn, names["o"])]) if split_attention \
+            else ([named(attn)], [named(attn)])
+        mlps = ([named(mlp, names["gate"]), named(mlp, names["up"])], [named(mlp, names["down"])]) if dense \
+            else ([], [])
+        plan.update(sequence_parallel_entries(attention[0] + mlps[0], [names["embed"]] + attention[1] + mlps[1],
+                                              axis, ndim))
     return plan
+
+
+def _heads(config, attrs: tuple, argument: str) -> int:
+    """The head count a config gives under one of ``attrs``; ValueError naming ``argument`` to pass."""
+    for name in attrs:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"llama_plan: expected a config (or a model with .config) with an int attribute "
+                     f"{' or '.join(attrs)}, got {type(config).__name__} without one; pass {argument}= (and "
+                     f"kv_heads=) for a model without such a config")
 
 
 def gpt2_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, sequence_parallel: bool = False) -> dict:
