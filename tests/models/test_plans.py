@@ -123,3 +123,33 @@ def test_llama_plan_for_any_model_names_what_it_has(p1):
     gt.nn.distribute_module(model, p1, plan)                      # strict: every entry names something
     assert model.layers[1].self_attn.k_proj.bias.sbp == (S(0),)
     assert "*.self_attn.k_proj.weight" not in gt.nn.llama_plan(nn.Module(), 4, heads=4, kv_heads=2)
+
+
+MOE_CONFIGS = {
+    "Qwen3MoeConfig": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8),
+    "OlmoeConfig": dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2),
+    "DeepseekV3Config": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE_CONFIGS))
+def test_llama_plan_on_moe_models_splits_attention_and_what_is_dense(p1, family):
+    """Strict distribute_module takes llama_plan of an MoE model: attention split (DeepSeek's latent
+    attention by its per-head up-projections), a dense MLP split where a layer has one, the experts
+    left to expert_parallel."""
+    import torch
+    import transformers
+    cfg = getattr(transformers, family)(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0,
+                                        bos_token_id=0, eos_token_id=0, **MOE_CONFIGS[family])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    plan = gt.nn.llama_plan(model, 4)
+    gt.nn.distribute_module(model, p1, plan)                      # strict: every entry names something
+    attention = model.model.layers[0].self_attn
+    up = getattr(attention, "q_proj", None) or attention.q_b_proj
+    assert up.weight.sbp == (S(0),) and attention.o_proj.weight.sbp == (S(1),)
+    dense = [layer.mlp for layer in model.model.layers if getattr(layer.mlp, "gate_proj", None) is not None]
+    assert all(mlp.gate_proj.weight.sbp == (S(0),) for mlp in dense) and (family == "DeepseekV3Config") == bool(dense)

@@ -174,7 +174,8 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     row parallel; norms, embedding and head broadcast.
 
     Given a model, the plan names only the projections it has -- an MoE model's layers without a
-    dense MLP get the attention plan (``gt.nn.expert_parallel`` splits the experts) -- and splits
+    dense MLP get the attention plan (``gt.nn.expert_parallel`` splits the experts); multi-head latent
+    attention (DeepSeek's) splits its per-head ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` -- and splits
     every bias of a split projection with it (StableLM's q/k/v biases); given a config, biases follow
     ``attention_bias`` / ``use_qkv_bias`` / ``qkv_bias`` and ``mlp_bias``. ``heads`` / ``kv_heads``
     give the head counts where no HF-style config says them (``num_attention_heads`` /
@@ -211,7 +212,11 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     split_attention = heads % ranks == 0
     column = [named(attn, names["q"])] + ([named(attn, names["k"]), named(attn, names["v"])]
                                            if kv_heads % ranks == 0 else []) if split_attention else []
-    row = [named(attn, names["o"])] if split_attention else []
+    if split_attention and not present(named(attn, names["k"])) and present(named(attn, "kv_b_proj")):
+        # multi-head latent attention (DeepSeek): the per-head up-projections split, the latent ones whole
+        column = [p for p in (named(attn, "q_proj"), named(attn, "q_b_proj"), named(attn, "kv_b_proj")) if present(p)]
+    column = [p for p in column if present(p)]
+    row = [named(attn, names["o"])] if column else []
     dense = present(named(mlp, names["gate"]))
     if dense:
         column += [named(mlp, names["gate"]), named(mlp, names["up"])]
