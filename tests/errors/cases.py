@@ -23,6 +23,16 @@ S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 relu = torch.ops.aten.relu.default
 
 
+class _ReadsAValue(nn.Linear):
+    """A Linear whose forward asks whether its input has a positive value."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+
+    def forward(self, x):
+        return super().forward(x) * (2 if bool((x > 0).any()) else 1)
+
+
 def _styled():
     """A module for the parallel-style cases: a Linear ``fc``, a LayerNorm ``norm``, an Embedding ``emb``."""
     m = nn.Module()
@@ -386,6 +396,7 @@ CASES = {
     "auto-plan-args": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), "x"),
     "auto-plan-arg": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), ["x"]),
     "auto-plan-step": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], step=3),
+    "auto-plan-host-read": lambda: gnn.auto_plan(_ReadsAValue(), p4(), [(6, 4)]),
     "auto-plan-memory-limit": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], memory_limit=-1),
     "auto-plan-no-fit": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], memory_limit=100),
     "calibrate-argument": lambda: gt.calibrate(small=0),

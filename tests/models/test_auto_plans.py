@@ -70,3 +70,40 @@ def test_phi3_no_hand_plan_covers_is_auto_planned_with_heads_kept_whole(p1, monk
     assert qkv == (S(0, blocks=3),) and gate_up == (S(0, blocks=2),), plan.explain()
     dp = train_side_by_side("phi3", p1, {}, S(0))
     assert _bytes(run) <= _bytes(dp)
+
+
+def test_models_whose_mask_code_reads_values_are_planned(p1):
+    """BERT's padding mask, Gemma2 without a cache, Whisper's decoder: their mask code reads values on
+    the host, answered by one real step (nn/auto/cost.py); BERT's plan then runs like one device."""
+    import copy
+    import transformers
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=4 * SEQ, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)).double()
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    ids[0, -3:] = 0
+    mask = (ids != 0).long()
+
+    def masked_step(model, ids, mask):
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    plan = gnn.auto_plan(bert, p1, (ids, mask), step=masked_step)
+    reference = copy.deepcopy(bert)
+    gnn.distribute_module(bert, p1, plan)
+    got = bert(input_ids=gt.distribute(ids, p1, plan.inputs[0]), attention_mask=gt.distribute(mask, p1, plan.inputs[1]))
+    torch.testing.assert_close(got.logits.full_tensor(), reference(input_ids=ids, attention_mask=mask).logits,
+                               rtol=1e-10, atol=1e-10)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS, max_position_embeddings=4 * SEQ,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    assert gnn.auto_plan(gemma, p1, (ids,), step=lambda m, i: m(input_ids=i, use_cache=False).logits.sum().backward())
+    whisper = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN, num_mel_bins=8,
+        max_source_positions=SEQ, max_target_positions=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        decoder_start_token_id=0))
+    features = torch.randn(2, 8, 2 * SEQ)
+    assert gnn.auto_plan(whisper, p1, (features, ids[:2, :6]),
+                         step=lambda m, f, i: m(input_features=f, decoder_input_ids=i).logits.sum().backward())

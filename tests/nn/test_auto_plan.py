@@ -250,3 +250,46 @@ def test_the_balanced_sequence_split_wins_within_its_slack_and_only_there():
     assert balanced_or(plain, option(True, 1.0 + BALANCED_SLACK / 2, memory=10), 10).candidate.balanced
     assert not balanced_or(plain, option(True, 1.0 + 2 * BALANCED_SLACK), None).candidate.balanced
     assert not balanced_or(plain, option(True, 1.0, memory=11), 10).candidate.balanced
+
+
+class ReadsAValue(torch.nn.Module):
+    """A forward that asks a question of its input's values (as HF's mask code does): the branch taken
+    depends on the data, not on the layout."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.norm = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.norm(self.fc(x))
+        if bool((x > 0).any()):
+            h = h * 2
+        return h
+
+
+def _value_step(model, x):
+    model(x).square().sum().backward()
+
+
+def test_auto_plan_answers_host_reads_from_one_real_step(p1):
+    """The meta runs cannot read a value: one real step on the example tensors answers them, and leaves
+    the model as it was (no gradient, BatchNorm's running statistics put back)."""
+    m = ReadsAValue()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(16, 8)
+    plan = gnn.auto_plan(m, p1, (x,), step=_value_step)
+    assert plan.cost.bytes > 0
+    assert all(p.grad is None for p in m.parameters())
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ref = copy.deepcopy(m)
+    gnn.distribute_module(m, p1, plan)
+    got = m(gt.distribute(x, p1, plan.inputs[0]))
+    torch.testing.assert_close(got.full_tensor(), ref(x), rtol=1e-5, atol=1e-6)   # float32: sums in another order
+
+
+def test_auto_plan_with_shapes_names_the_line_that_reads_a_value(p1):
+    with pytest.raises(ValueError, match=r"reads a tensor's value on the host at .*test_auto_plan.py:\d+, in forward: "
+                                         r"\"if bool\(\(x > 0\).any\(\)\):\"; give example_args as tensors"):
+        gnn.auto_plan(ReadsAValue(), p1, ((12, 8),), step=_value_step)     # a shape no earlier plan is cached for

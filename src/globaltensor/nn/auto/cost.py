@@ -9,7 +9,8 @@ the shard and the updated shards all-gathered. ``gt.comm_profile`` records every
 collective with its module and phase; memory per rank is the parameters, gradients and optimizer
 state of the layouts, plus the peak of the activations alive during the step (the pieces of every
 global tensor the step made, views not counted again). The modelled time is each collective's
-``latency + bytes / bandwidth`` (gt.calibrate()).
+``latency + bytes / bandwidth`` (gt.calibrate()). A step that reads values on the host (a mask's
+``if mask.all():``) has them from one real run of it on one device, replayed in every meta run.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import contextlib
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from ...boxing import Layout
 from ...comm import simulate
 from ...observe import comm_profile
 from ...observe.context import run_labelled
+from ...observe.where import user_frame
 from ...placement import Placement
 from ...ops.schema.op_record import record
 from ...tensor import GlobalTensor, observe_creation
@@ -67,9 +69,60 @@ def swapped(model: nn.Module, tensors: Dict[int, torch.Tensor]) -> Iterator[None
             getattr(m, kind)[attr] = t
 
 
+#: ops that read a tensor's value on the host (``.item()``, ``bool(x)``, ``torch.equal``)
+HOST_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+                        torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default})
+
+
+class NeedsHostReads(Exception):
+    """A meta run met a host read (a model's mask code asking whether any position is padded) and has
+    no recorded values to answer with: ``where`` is the user's line."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+class HostReads(TorchDispatchMode):
+    """Records the value of every host read of a real step on one device: ``values``, ``(op, value)``
+    in order. The values do not depend on the layout, so each meta run answers its reads with them
+    (:class:`MemoizedMeta`), taking the same branches as the real step."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in HOST_READS:
+            self.values.append((func, out))
+        return out
+
+
+def record_host_reads(model: nn.Module, step: Callable, args: list) -> list:
+    """The host reads of ``step(model, *args)`` run for real on one device (:class:`HostReads`); the
+    model's gradients and buffers (running statistics) are put back as they were."""
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    for p in params:
+        p.grad = None
+    try:
+        with HostReads() as reads:
+            step(model, *args)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return reads.values
+
+
 class MemoizedMeta(TorchDispatchMode):
     """Keeps every plain tensor of the run on the meta device, and replays the meta kernels of ops on
-    meta pieces.
+    meta pieces. A host read takes the next of ``reads`` (a real run's, :func:`record_host_reads`), or
+    with none raises :class:`NeedsHostReads`.
 
     A tensor the library makes on the placement's device (a gradient bucket's buffer, a plain input
     moved to a rank) is made on meta instead: the run has no data anywhere. An op that aliases and
@@ -78,12 +131,15 @@ class MemoizedMeta(TorchDispatchMode):
     pointwise ops were most of an evaluation's time). Global ops pass through to their own dispatch,
     whose piece ops come back here."""
 
-    def __init__(self):
+    def __init__(self, reads: Optional[list] = None):
         super().__init__()
         self.results: dict = {}
+        self.reads = None if reads is None else iter(reads)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in HOST_READS:
+            return self._read(func)
         if any(issubclass(t, GlobalTensor) for t in types):
             with self:
                 return GlobalTensor.__torch_dispatch__(func, types, args, kwargs)
@@ -99,6 +155,15 @@ class MemoizedMeta(TorchDispatchMode):
             made = self.results[key] = tree_map(_metadata, out)
             return out
         return tree_map(_remade, made)
+
+    def _read(self, func):
+        if self.reads is None:
+            raise NeedsHostReads(user_frame())
+        op, value = next(self.reads, (None, None))
+        if op is not func:
+            raise RuntimeError(f"auto_plan: the step read values on the host in another order than its real run "
+                               f"(expected {op}, got {func}) at {user_frame()}; its reads must not depend on the layout")
+        return value
 
     @staticmethod
     def _key(func, args, kwargs):
@@ -203,10 +268,11 @@ def _per_rank_bytes(layouts: List[Layout], factor: int = 1) -> Dict[int, int]:
 
 def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Dict[str, tuple],
              buffers: Dict[str, tuple], args: list, step: Callable, zero_axis, state_factor: int,
-             calibration, expert_axis=None) -> Cost:
+             calibration, expert_axis=None, reads: Optional[list] = None) -> Cost:
     """The cost of one step of ``model`` with parameters and buffers laid out as given (``{name:
     nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``; ``expert_axis``: the MoE experts'
-    tokens sent to their experts over that axis (their routing modelled as even)."""
+    tokens sent to their experts over that axis (their routing modelled as even); ``reads``: the
+    values the step's host reads take (:func:`record_host_reads`)."""
     named_params = dict(model.named_parameters())
     named_buffers = dict(model.named_buffers())
     with simulate(world_size) as world:
@@ -225,7 +291,7 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
                 g._sharded_grad = shard_sbp(g, zero_axis)
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
         try:
-            with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta(), \
+            with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta(reads), \
                     _experts(model, placement, expert_axis):
                 step(model, *inputs)
                 del inputs

@@ -33,8 +33,9 @@ from .calibration import current_calibration
 from ...comm import get_world
 from ...placement import Placement
 from ...sbp import broadcast, nd_from_list, nd_to_list
+from ...tensor import GlobalTensor
 from .candidates import Candidate, candidates, input_layout, is_linear, parameter_layouts
-from .cost import Cost, evaluate
+from .cost import Cost, NeedsHostReads, evaluate, record_host_reads
 from .explain import explain
 from ..zero import ZeroOptimizer
 
@@ -179,14 +180,25 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
     buffers = {n: (broadcast,) * placement.ndim for n, _ in model.named_buffers()}
     sequence = any(len(shape) >= 2 for shape, _ in args)
 
+    reads: list = []             # [the host reads of a real step], once a meta run needs them
+
     def cost_of(candidate: Candidate, order: Dict[str, int]) -> Option:
         params = parameter_layouts(model, candidate, tensors, placement.hierarchy, order)
         inputs = [input_layout(torch.empty(shape, device="meta"), candidate.roles, candidate.balanced)
                   for shape, _ in args]
         zero_axis = candidate.roles.index("data") if candidate.zero else None
-        cost = evaluate(model, placement, world_size, params, buffers,
-                        [(shape, dtype, nd) for (shape, dtype), nd in zip(args, inputs)], step, zero_axis,
-                        state_factor, cal, candidate.expert_axis)
+
+        def run():
+            return evaluate(model, placement, world_size, params, buffers,
+                            [(shape, dtype, nd) for (shape, dtype), nd in zip(args, inputs)], step, zero_axis,
+                            state_factor, cal, candidate.expert_axis, reads[0] if reads else None)
+        try:
+            cost = run()
+        except NeedsHostReads as needed:
+            if reads:
+                raise
+            reads.append(_real_reads(model, step, example_args, needed.where))
+            cost = run()
         return Option(candidate, params, buffers, inputs, cost)
 
     replicated = Candidate(("data",) * placement.ndim)
@@ -251,6 +263,17 @@ def _check(model, placement, example_args, step, memory_limit) -> None:
         raise TypeError(f"auto_plan(step=): expected a function step(model, *args), got {step!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
         raise ValueError(f"auto_plan(memory_limit=): expected a positive number of bytes, got {memory_limit!r}")
+
+
+def _real_reads(model: nn.Module, step: Callable, example_args: Sequence, where: str) -> list:
+    """The host reads of one real step on the example tensors; ValueError naming the user's line where
+    the examples are shapes, which hold no values to read."""
+    if not all(isinstance(a, torch.Tensor) for a in example_args):
+        raise ValueError(f"auto_plan: the step reads a tensor's value on the host at {where}; give example_args "
+                         f"as tensors with real values (the batch it will train on), not shapes, so that one real "
+                         f"step can answer such reads")
+    plain = [a.full_tensor() if isinstance(a, GlobalTensor) else a for a in example_args]
+    return record_host_reads(model, step, plain)
 
 
 def _arg_meta(a) -> tuple:

@@ -31,9 +31,10 @@ def _candidates(x, **kwargs):
 
 def _on_rank_device(rank, ins, outs, *args, **kwargs):
     """The ``device`` argument as the device that holds ``rank``'s pieces."""
-    device = bind(aten._to_copy.default, args, kwargs).get("device")
-    if device is None:
-        return args, kwargs
+    named = bind(aten._to_copy.default, args, kwargs)
+    device = named.get("device")
+    if device is None or (torch.device(device).type == "meta" and named["self"].is_meta):
+        return args, kwargs         # meta pieces (auto_plan's runs: a global tensor's .device is theirs)
     placement = ins[0].placement
     if torch.device(device).type == "meta":
         raise ValueError("_to_copy / Tensor.to(device='meta'): a global tensor has no meta copy; its meta is "
