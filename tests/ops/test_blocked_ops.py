@@ -120,6 +120,8 @@ BLOCKED_RULE_CASES = [
     (aten._to_copy.default, (_t(4, 12),), {"dtype": torch.float32}),
     (aten.native_layer_norm.default, (_t(12, 4, 6), [6], _t(6), _t(6), 1e-5), {}),
     (aten.view.default, (_t(12, 4, 6), [12, 24]), {}),
+    (aten.view_as_complex.default, (_t(12, 4, 2),), {}),
+    (aten._conj.default, (torch.randn(12, 4, dtype=torch.complex128),), {}),
 ]
 
 

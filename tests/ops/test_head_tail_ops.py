@@ -114,3 +114,19 @@ def test_random_ops_draw_by_position_on_head_tail_pieces(world4, draw):
     want = fns[draw](gt.distribute(x, p, B))
     assert got.sbp == (HT(1),)
     assert torch.equal(got.full_tensor(), want.full_tensor())
+
+
+def test_rotary_embeddings_through_complex_views_keep_the_head_tail_split(world4):
+    """torchtitan's RoPE: ``view_as_complex`` of the reshaped q, times the frequencies, ``view_as_real``:
+    element by element, so a head-tail sequence split stays as it is, and nothing moves."""
+    p = gt.placement("cpu", [0, 1, 2, 3])
+    x = _t(2, 16, 4, 8)
+    freqs = torch.polar(torch.ones(16, 1, 4, dtype=torch.float64), _t(16, 1, 4))
+
+    def rope(q, f):
+        return torch.view_as_real(torch.view_as_complex(q.reshape(*q.shape[:-1], -1, 2)) * f).flatten(3)
+    g = gt.distribute(x, p, HT(1))
+    with gt.comm_stats() as st:
+        y = rope(g, gt.distribute(freqs, p, HT(0)))
+    assert y.sbp == (HT(1),) and st.count == 0, (y.sbp, st.ops())
+    torch.testing.assert_close(y.full_tensor(), rope(x, freqs), rtol=0, atol=0)    # elementwise: exact

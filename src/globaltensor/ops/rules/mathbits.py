@@ -5,7 +5,9 @@ Each acts element by element, so every split stays where it is; each is linear o
 (conjugation and negation of a sum are the sums of the conjugates and negations), so partial
 sums stay partial. ``_conj`` and ``_neg_view`` only set a bit on a view: the pieces carry it,
 and the wrapper mirrors its pieces' bits (tensor.py), as torch reads them from the wrapper.
-``view_as_complex`` pairs up the last dim (of size 2), which therefore never splits.
+``view_as_complex`` pairs up the last dim (of size 2), which therefore never splits. Element by
+element, every split kind holds as it is (blocked, head-tail: RoPE's complex view keeps a balanced
+sequence split).
 """
 from __future__ import annotations
 
@@ -14,5 +16,6 @@ from .common import each_dim_kept
 
 register_rule([aten._conj.default, aten._neg_view.default, aten._conj_physical.default,
                aten.resolve_conj.default, aten.resolve_neg.default],
-              lambda x: each_dim_kept(x, linear=True))
-register_rule(aten.view_as_complex.default, lambda x: each_dim_kept(x, linear=True, skip=(x.dim() - 1,)))
+              lambda x: each_dim_kept(x, linear=True), blocked=True)
+register_rule(aten.view_as_complex.default, lambda x: each_dim_kept(x, linear=True, skip=(x.dim() - 1,)),
+              blocked=True)
