@@ -21,7 +21,7 @@ from .ops.fallback import fallback_calls, fallback_calls_clear
 from .ops.executor.lists import install_foreach_support
 from .nn.optim_pieces import install_optimizer_pieces
 from .nn.fed_numbers import install_fed_numbers
-from .inspect import boxing_plan
+from .boxing_preview import boxing_plan
 from .viz import render_sharding, visualize
 from . import nn
 from .nn.local_map import local_map

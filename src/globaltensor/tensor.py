@@ -133,8 +133,8 @@ class GlobalTensor(torch.Tensor):
     """
     _layout: Layout
     _pieces: dict
-    _boxed = None   # the ops layer's kept boxed copy (ops/boxed_copy.py); a class default reads fast
-    _view_of = None     # a copy-view's recipe (ops/writes/viewwrite.py), likewise
+    _boxed = None   # the ops layer's kept boxed copy (ops/kept_boxed_copy.py); a class default reads fast
+    _view_of = None     # a copy-view's recipe (ops/writes/copy_views.py), likewise
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod

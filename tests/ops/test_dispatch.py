@@ -265,7 +265,7 @@ def test_a_kept_copy_is_dropped_when_its_tensor_changes():
             torch.testing.assert_close(F.gelu(y).full_tensor(), F.gelu(2 * XM @ WM + 1))
 
 
-def test_leaves_keep_no_boxed_copy():
+def test_leaves_keep_no_kept_boxed_copy():
     """A parameter gathered for an op is gathered again next time: a kept copy of a sharded
     parameter would live as long as the parameter."""
     with gt.simulate(4):

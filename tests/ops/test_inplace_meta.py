@@ -1,4 +1,4 @@
-"""In-place ops that change metadata (ops/writes/inplace_view.py): ``transpose_``, ``t_``, ``swapdims_``,
+"""In-place ops that change metadata (ops/writes/metadata_ops.py): ``transpose_``, ``t_``, ``swapdims_``,
 ``squeeze_``, ``unsqueeze_``, ``as_strided_`` change the tensor itself -- its wrapper's sizes
 and strides, its layout by the out-of-place op's rule, its pieces -- and autograd, copy-views
 and the RNN modules (which call ``transpose_``) work through them."""
@@ -121,7 +121,7 @@ def test_pieces_shared_with_another_tensor_keep_their_shape():
         torch.testing.assert_close(y.full_tensor(), X2)
 
 
-def test_kept_boxed_copy_is_dropped():
+def test_kept_kept_boxed_copy_is_dropped():
     xr = X2.clone().requires_grad_()
     (xr * 1).transpose_(0, 1).cumsum(0).mul(torch.arange(30.).reshape(6, 5)).sum().backward()
     with gt.simulate(4):

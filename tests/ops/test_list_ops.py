@@ -88,7 +88,7 @@ def test_written_element_boxed_for_the_op_is_written_back(p1):
 
 
 def test_written_copy_view_reaches_its_base(p1):
-    """A slice along the split dim is a boxed copy (viewwrite.py); a foreach write into it lands in its base."""
+    """A slice along the split dim is a boxed copy (copy_views.py); a foreach write into it lands in its base."""
     x = torch.randn(8, 4, dtype=torch.float64)
     g = gt.distribute(x.clone(), p1, S(0))
     view = g[1:6]

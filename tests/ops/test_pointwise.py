@@ -150,7 +150,7 @@ def test_a_partial_meeting_a_broadcast_tensor_is_reduced_once_first(name, fn):
     """Linear in the partial input, but keeping P would only move the reduction on (an output
     of the same size): the partial input is all-reduced once, and -- with grad mode off, as in
     the backward pass -- a second such op reads the kept reduced copy (ops/decide/cost.py,
-    ops/boxed_copy.py)."""
+    ops/kept_boxed_copy.py)."""
     with gt.simulate(4):
         a, b = lay(X, P, seed=1), lay(Y, B)
         with torch.no_grad(), gt.comm_stats() as stats:

@@ -31,7 +31,7 @@ from ..ops.schema.args import SCALARS
 from ..tensor import GlobalTensor
 from .capture import capture
 from .cuda_graphs import graph_backend
-from .inspect import PlanView, chrome_trace, dot
+from .graph_views import PlanView, chrome_trace, dot
 from .lower import lower
 from .program import Program
 from .optim import capturable_optimizers, hyper_parameters, live_keys

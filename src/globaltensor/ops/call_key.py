@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..tensor import GlobalTensor
-from .boxed_copy import copy_layout
+from .kept_boxed_copy import copy_layout
 from .decide.lists import list_kind
 from .executor.decompose import decomposing
 from .explicit import explicit
@@ -90,7 +90,7 @@ def _itself(v):
 
 def arg_key(v):
     """How an argument enters a key by value: a global tensor by its layout, whether it requires
-    grad and its kept copy's layout (ops/boxed_copy.py); a plain tensor by its meta; a number or
+    grad and its kept copy's layout (ops/kept_boxed_copy.py); a plain tensor by its meta; a number or
     other plain value as it is; a list element by element; anything else makes the call uncacheable."""
     t = type(v)
     if t is GlobalTensor:

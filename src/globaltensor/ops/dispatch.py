@@ -16,7 +16,7 @@ its partial input (half an all-reduce), and the gradient, split, would then be a
 once for every matmul of the backward that needs it whole.
 
 In-place ops that change only metadata (``transpose_``, ``squeeze_``) run as their
-out-of-place view op, whose layout the tensor takes (writes/inplace_view.py).
+out-of-place view op, whose layout the tensor takes (writes/metadata_ops.py).
 
 Ops without a rule are decomposed into core ATen ops where PyTorch has a decomposition (or a
 CompositeImplicitAutograd kernel); only when none applies do they run through the
@@ -31,7 +31,7 @@ from ..observe.consistency import CHECK as _check
 from ..observe.log import log_signature, signatures_logged
 from ..tensor import GlobalTensor, set_dispatcher
 from .call_key import cacheable, call_key
-from .consistency import confirm_op
+from .op_description import confirm_op
 from .decide import Decision, candidates, choose, cost, decide_list, on_pieces, route, through_twin
 from .decision_cache import CacheInfo, DecisionCache
 from .executor import runner
@@ -39,7 +39,7 @@ from .explicit import explicit
 from .executor.decompose import decomposed_calls, decomposing  # noqa: F401  (the coverage table reads the calls)
 from ..boxing.interned import intern as _intern
 from .registry import on_rules_changed
-from .writes.inplace import has_functional
+from .writes.written_inputs import has_functional
 
 CACHE = DecisionCache()
 _recent = CACHE.recent

@@ -24,7 +24,7 @@ from ..tensor import GlobalTensor, box, replicate, write_into
 from .explicit import refuse_fallback
 from .schema.op_record import record
 from .registry import find_rule
-from .writes.viewwrite import fallback_view, propagate
+from .writes.copy_views import fallback_view, propagate
 
 _warned: set = set()
 taken: Counter = Counter()

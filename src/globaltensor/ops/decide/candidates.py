@@ -20,9 +20,9 @@ from ...placement import Placement
 from ...sbp import Signature, Split, all_broadcast, as_signature, broadcast, nd_candidates
 from ...sbp.shape import blocks_problem
 from ...tensor import GlobalTensor
-from ..boxed_copy import copy_layout
+from ..kept_boxed_copy import copy_layout
 from ..schema.args import Substitution
-from ..writes.inplace import returned_inputs, written_objects
+from ..writes.written_inputs import returned_inputs, written_objects
 from .route import Route
 
 
@@ -32,7 +32,7 @@ class Problem:
     in_layouts: list                # each tensor input's layout (a plain tensor's as broadcast)
     out_meta: list                  # (shape, dtype) of each tensor output
     recorded: list                  # per input: whether autograd records it (its gradient's way back costs)
-    kept_copies: list               # per input: the layout of its kept boxed copy (ops/boxed_copy.py), or None
+    kept_copies: list               # per input: the layout of its kept boxed copy (ops/kept_boxed_copy.py), or None
     written: list                   # tensor-input indices of the tensors the op writes
     returned: dict                  # output position -> tensor-input index of a written input it returns
     candidates: list                # the admissible NdSignatures

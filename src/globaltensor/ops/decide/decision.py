@@ -55,7 +55,7 @@ def on_pieces(r: Route, problem: Problem, chosen) -> Decision:
 
 def through_twin(r: Route, problem: Problem) -> Decision:
     """The decision for a rule op whose candidates cannot keep a written tensor's layout: its
-    functional twin runs and the result is written back (writes/inplace.py)."""
+    functional twin runs and the result is written back (writes/written_inputs.py)."""
     return Decision("write_back", r.func, r.positions, written=problem.written)
 
 

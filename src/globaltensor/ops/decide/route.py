@@ -2,7 +2,7 @@
 its arguments -- before any candidate signature is looked at.
 
 - ``inplace_view``: an in-place op that changes only metadata (``transpose_``), run as its
-  out-of-place view op (writes/inplace_view.py);
+  out-of-place view op (writes/metadata_ops.py);
 - ``scalar_read``: ``aten._local_scalar_dense`` (``bool(x)``, ``float(x)``), a collective read;
 - ``list``: ``_foreach_*``, the fused optimizers, GradScaler's unscale (decide/lists.py);
 - ``decompose``: no rule, but a decomposition into ops that are dispatched again;

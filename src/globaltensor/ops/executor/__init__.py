@@ -6,11 +6,11 @@ the decision is made and cached with it:
 - ``local``: the op or the rule's kernel on each rank's pieces (local.py);
 - ``list``: one call per group of elements (lists.py);
 - ``inplace_view``, ``scalar_read``, ``decompose``, ``fallback``, ``write_back``: the paths of
-  writes/inplace_view.py, scalar_read.py, the decomposition dispatched again, fallback.py and
-  writes/inplace.py.
+  writes/metadata_ops.py, scalar_read.py, the decomposition dispatched again, fallback.py and
+  writes/written_inputs.py.
 
 What an op writes into a copy-view is then put back into its base, and a view op's result whose
-pieces are copies remembers how it was made (writes/viewwrite.py).
+pieces are copies remembers how it was made (writes/copy_views.py).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from torch.utils._pytree import tree_flatten
 from ..decide.decision import Decision
 from ..fallback import run_fallback
 from ..scalar_read import read_scalar
-from ..writes.inplace import write_back
-from ..writes.inplace_view import run_inplace_view
-from ..writes.viewwrite import ViewRun, WriteRun
+from ..writes.written_inputs import write_back
+from ..writes.metadata_ops import run_inplace_view
+from ..writes.copy_views import ViewRun, WriteRun
 from .decompose import run_decomposition
 from .lists import ListRunner
 from .local import PieceRun

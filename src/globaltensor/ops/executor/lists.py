@@ -26,12 +26,12 @@ from ...comm import current as _current
 from ...comm import get_world
 from ...sbp import broadcast
 from ...tensor import GlobalTensor, box, replicate, wrap_fresh, write_into
-from ..boxed_copy import box_input
+from ..kept_boxed_copy import box_input
 from ..explicit import explicit, refuse_implicit
 from ..decide.decision import Decision
 from ..foreach import element_call
 from ..group_reduce import batched
-from ..writes.viewwrite import propagate
+from ..writes.copy_views import propagate
 
 _LAYOUT_OF = attrgetter("_layout")
 _PIECES_OF = attrgetter("_pieces")

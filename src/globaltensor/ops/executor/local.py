@@ -15,7 +15,7 @@ from typing import Callable
 from ...comm import current as _current
 from ...comm import get_world
 from ...tensor import GlobalTensor, box, replicate, wrap_fresh, wrap_result
-from ..boxed_copy import box_input
+from ..kept_boxed_copy import box_input
 from ..decide.decision import Decision
 from ..explicit import explicit, refuse_implicit
 from ..schema.args import Substitution, get

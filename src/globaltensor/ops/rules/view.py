@@ -26,7 +26,7 @@ split's blocks. ``cat`` of equal split tensors along their split dim is a blocke
 
 Every view is linear, so ``P -> P`` everywhere. The in-place forms that change a tensor's
 metadata (``transpose_``, ``t_``, ``squeeze_``, ``unsqueeze_``) take their SBP from these
-rules (ops/writes/inplace_view.py).
+rules (ops/writes/metadata_ops.py).
 """
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ from torch.utils._mode_utils import no_dispatch
 
 from ...tensor import GlobalTensor
 from ...compat.torch_ops import aten
-from .inplace import written_objects
+from .written_inputs import written_objects
 from ..schema.op_record import record
-from .viewwrite import rebase
+from .copy_views import rebase
 
 
 

@@ -7,7 +7,7 @@ with no functional twin (a user's op updating an input besides its result) runs 
 fallback, which writes every written argument back.
 
 In-place ops that change only metadata (``transpose_``, ``squeeze_``) are the exception: the
-tensor takes a new layout; inplace_view.py runs them.
+tensor takes a new layout; metadata_ops.py runs them.
 """
 from __future__ import annotations
 
