@@ -16,3 +16,9 @@ OPTIMIZERS = {
     "Rprop": dict(lr=0.01, maximize=True),
 }
 FUSED = ("SGD", "Adam", "AdamW", "Adagrad")          # the classes with a fused CPU kernel
+#: the optimizers whose update reads each parameter whole (Muon: 2-D parameters only), stepped on the
+#: pieces where every parameter is whole on its ranks
+WHOLE_OPTIMIZERS = {
+    "Muon": dict(lr=0.02, weight_decay=0.01, momentum=0.9),
+    "Adafactor": dict(lr=0.02, weight_decay=0.01),
+}

@@ -10,7 +10,7 @@ import torch
 
 import globaltensor as gt
 from compile_helpers import assert_close_rel, assert_parameters_close
-from optimizer_settings import OPTIMIZERS
+from optimizer_settings import OPTIMIZERS, WHOLE_OPTIMIZERS
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 
@@ -30,6 +30,17 @@ def _training(name: str, placement):
         opt.zero_grad()
         return loss.detach()
     return lin, step, sched
+
+
+def _step_of(model, opt, total):
+    """A training step: the squared output's ``total`` (torch.sum, torch.mean), backward, the step."""
+    def step(x):
+        loss = total(model(x).pow(2))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -63,14 +74,7 @@ def test_a_compiled_zero_optimizer_reads_the_schedule(p2):
         gt.nn.distribute_module(lin, p2, {})
         opt = gt.nn.ZeroOptimizer(lin.parameters(), torch.optim.AdamW, axis=0, lr=0.05)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-        def step(x, lin=lin, opt=opt):
-            loss = lin(x).pow(2).sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        models.append((lin, step, sched))
+        models.append((lin, _step_of(lin, opt, torch.sum), sched))
     (m_e, step_e, sched_e), (m_c, step_c, sched_c) = models
     g = gt.compile(step_c)
     gen = torch.Generator().manual_seed(3)
@@ -120,4 +124,35 @@ def test_a_grad_scalers_changing_scale_is_read_by_the_graph(p1):
         for a, b in zip(m_c.parameters(), m_e.parameters()):
             torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=0)
     assert max(scales) > scales[0] and scales[3] == scales[2] / 2, scales      # it grew, and backed off at the inf
+    assert g.captures == 1
+
+
+@pytest.mark.parametrize("plan", ["data", "tensor"])
+@pytest.mark.parametrize("name", list(WHOLE_OPTIMIZERS))
+def test_a_whole_tensor_optimizer_reads_the_schedule_with_one_capture(p1, name, plan):
+    """Muon and Adafactor step on whole pieces (data parallel: the parameters as they are; tensor
+    parallel: gathered, then written back): one task reading the group's settings at each run, so a
+    cosine schedule makes one capture and no warning -- Adafactor's host reads of its step count and
+    norms happen inside the task, on each run's pieces -- and the compiled steps equal the eager ones
+    (float64 within rounding: compile_helpers)."""
+    sides = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        lin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+        gt.nn.distribute_module(lin, p1, gt.nn.megatron_plan(column=["0"], row=["2"]) if plan == "tensor" else {})
+        params = [p for p in lin.parameters() if p.dim() == 2 or name != "Muon"]
+        opt = getattr(torch.optim, name)(params, **WHOLE_OPTIMIZERS[name])
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+        sides.append((lin, _step_of(lin, opt, torch.mean), sched))
+    (m_e, step_e, sched_e), (m_c, step_c, sched_c) = sides
+    g = gt.compile(step_c)
+    gen = torch.Generator().manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for s in range(6):
+            x = gt.distribute(torch.randn(8, 6, dtype=torch.float64, generator=gen), p1, S(0) if plan == "data" else B)
+            assert_close_rel(g(x), step_e(x), f"step {s}: loss")
+            assert_parameters_close(m_c, m_e, f"step {s}")
+            sched_e.step()
+            sched_c.step()
     assert g.captures == 1

@@ -20,7 +20,7 @@ import torch
 import globaltensor as gt
 from globaltensor.nn import optim_pieces
 from globaltensor.tensor import GlobalTensor
-from optimizer_settings import FUSED, OPTIMIZERS
+from optimizer_settings import FUSED, OPTIMIZERS, WHOLE_OPTIMIZERS
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 EXACT = dict(rtol=0, atol=0)
@@ -166,3 +166,39 @@ def test_every_number_setting_reaches_the_update_or_only_makes_states():
         group = opt.param_groups[0]
         numbers = {k for k, v in group.items() if type(v) in (int, float) and k not in taken}
         assert numbers == set(optim_pieces.STATE_INIT_ONLY.get(name, ())), name
+
+
+def _whole_params(name: str, placement, sbp):
+    """Muon's 2-D parameters, Adafactor's of every rank (factored and not), as global tensors."""
+    values = [v for v in _params() if v.dim() == 2 or name != "Muon"]
+    return values, [gt.distribute(v, placement, sbp).requires_grad_() for v in values]
+
+
+@pytest.mark.parametrize("layout", ["broadcast", "split", "zero"])
+@pytest.mark.parametrize("name", list(WHOLE_OPTIMIZERS))
+def test_a_whole_tensor_optimizer_steps_on_whole_pieces(p1, name, layout):
+    """Muon and Adafactor read each parameter whole. Broadcast parameters (data parallel): each rank
+    updates its whole copy, as the plain update on plain tensors. Split ones (tensor parallel) and a
+    ZeroOptimizer's shards: gathered whole, updated so, each rank's part written back. Either way
+    the same kernels on the same values as one device: exact; the states in their own shapes
+    (Adafactor's row and column statistics); and with broadcast parameters no global op dispatched
+    after the first step."""
+    values, params = _whole_params(name, p1, S(0) if layout == "split" else B)
+    plain = [v.clone().requires_grad_() for v in values]
+    cls = getattr(torch.optim, name)
+    opt = gt.nn.ZeroOptimizer(params, cls, axis=0, **WHOLE_OPTIMIZERS[name]) if layout == "zero" else \
+        cls(params, **WHOLE_OPTIMIZERS[name])
+    ref = cls(plain, **WHOLE_OPTIMIZERS[name])
+    assert optim_pieces.steps_on_pieces(opt)
+    for step in range(3):
+        grads = [g for g in _grads(step) if g.dim() == 2 or name != "Muon"]
+        for p, q, g in zip(params, plain, grads):
+            p.grad, q.grad = gt.distribute(g, p1, p.sbp), g
+        before = gt.dispatch_cache_info()
+        opt.step()
+        ref.step()
+        if step and layout == "broadcast":
+            after = gt.dispatch_cache_info()
+            assert (after.hits, after.misses) == (before.hits, before.misses)
+    for i, (p, q) in enumerate(zip(params, plain)):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), **EXACT, msg=f"parameter {i}")

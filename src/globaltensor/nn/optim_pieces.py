@@ -22,11 +22,20 @@ first (a partial one reduced); a 0-dim plain state (a step count, NAdam's ``mu_p
 gets its own copy of it for the call; an element of which this process holds no piece goes in as empty
 placeholders, so its step count advances as on every other rank.
 
+Muon and Adafactor (:data:`WHOLE`) read each parameter whole -- Newton-Schulz matmuls, norms,
+factored row and column statistics -- so they step on the pieces only where every parameter and
+state is whole on its ranks (broadcast on every axis: data parallelism): each rank updates its copy
+as the plain update would, Adafactor's states in their own shapes and its ``None`` entries kept.
+
+Over split parameters (tensor parallel, a ZeroOptimizer's shards) they step on whole copies
+(:class:`GatheredCall`): gathered, updated on every rank as on one device, each rank's part
+written back.
+
 The present path (the update dispatched op by op on global tensors) runs where this one would not be
-exact or cannot apply: LBFGS, SparseAdam, Adafactor, Muon and any other optimizer (not elementwise, or
-not known to be), ``differentiable=True``, sparse gradients, a state made lazily (SGD's momentum
-buffer at its first step), a state or a gradient in a layout its parameter does not have, and while
-Dynamo traces a ``torch.compile``d step (the wrapper is inlined, and there it is the original).
+exact or cannot apply: LBFGS, SparseAdam and any other optimizer (not elementwise, or not known to
+be), ``differentiable=True``, sparse gradients, a state made lazily (SGD's momentum buffer at its first
+step), a state or a gradient in a layout its parameter does not have, and while Dynamo traces a
+``torch.compile``d step (the wrapper is inlined, and there it is the original).
 
 Under ``gt.compile`` the call is one task of the graph (actor_rt/capture.py), run by each replay with
 the settings of the optimizer's parameter group as they are then: a learning-rate schedule, a changed
@@ -41,6 +50,7 @@ import functools
 import importlib
 import inspect
 import operator
+import sys
 from typing import Callable, List, Optional
 
 import torch
@@ -48,11 +58,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ..boxing.interned import intern
 from ..compat.dynamo import inlined_wrapper
-from ..tensor import GlobalTensor, box
+from ..sbp import broadcast
+from ..tensor import GlobalTensor, box, write_into
 from . import mapped_call
 
 #: the torch.optim modules whose functional update (the module's own name) is elementwise
 ELEMENTWISE = ("sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop")
+#: the torch.optim modules whose functional update reads each parameter whole (Muon's Newton-Schulz
+#: matmuls, Adafactor's norms and factored row / column statistics): their module -> function name
+WHOLE = {"_muon": "muon", "_adafactor": "adafactor"}
 #: number settings an optimizer reads only to make a state (Rprop's step sizes start at ``lr``), never in
 #: its update: a graph holds its states, so a change needs no capture (tests/nn/test_optim_pieces.py
 #: checks that every other number setting reaches the update)
@@ -69,12 +83,15 @@ _stepping = _Stepping()
 
 
 def install_optimizer_pieces() -> None:
-    """Wrap the functional update of every :data:`ELEMENTWISE` optimizer (once per process)."""
-    for name in ELEMENTWISE:
-        module = importlib.import_module(f"torch.optim.{name}")
+    """Wrap the functional update of every :data:`ELEMENTWISE` and :data:`WHOLE` optimizer (once per process)."""
+    for module_name, name, whole in [(n, n, False) for n in ELEMENTWISE] + [(m, f, True) for m, f in WHOLE.items()]:
+        try:
+            module = importlib.import_module(f"torch.optim.{module_name}")
+        except ImportError:                         # an optimizer this torch does not have
+            continue
         fn = getattr(module, name, None)
         if callable(fn) and not hasattr(fn, "on_globals"):
-            setattr(module, name, _stepping_pieces(fn))
+            setattr(module, name, _stepping_pieces(fn, whole))
     if not _stepping.hooked:
         register_optimizer_step_pre_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", opt))
         register_optimizer_step_post_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", None))
@@ -86,28 +103,70 @@ _WRAPPER = """
 def update(*args, **kwargs):
     if is_compiling():
         return fn(*args, **kwargs)
-    call = pieces_call(fn, names, args, kwargs)
+    call = pieces_call(fn, names, args, kwargs, whole)
     if call is None:
         return fn(*args, **kwargs)
     return call.run()
 """
 
 
-def _stepping_pieces(fn: Callable) -> Callable:
+def _stepping_pieces(fn: Callable, whole: bool = False) -> Callable:
     """``fn`` wrapped: called with global tensors, the update on pieces (:class:`PiecesCall`); else ``fn``
-    -- and while Dynamo traces it, ``fn`` (compat/dynamo.py, ``inlined_wrapper``)."""
+    -- and while Dynamo traces it, ``fn`` (compat/dynamo.py, ``inlined_wrapper``). ``whole``: ``fn``
+    reads each parameter whole (:data:`WHOLE`)."""
     namespace = {"fn": fn, "names": list(inspect.signature(fn).parameters), "pieces_call": _pieces_call,
-                 "is_compiling": torch.compiler.is_compiling}
+                 "is_compiling": torch.compiler.is_compiling, "whole": whole}
     update = functools.wraps(fn)(inlined_wrapper(_WRAPPER, "update", namespace,
                                                  f"{fn.__module__}.{fn.__name__} on pieces"))
     update.on_globals = fn            # the original: the present path, op by op through the dispatcher
     return update
 
 
-def _pieces_call(fn: Callable, names: list, args: tuple, kwargs: dict) -> Optional["PiecesCall"]:
+def _pieces_call(fn: Callable, names: list, args: tuple, kwargs: dict, whole: bool):
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    return PiecesCall.of(fn, names, bound)
+    call = PiecesCall.of(fn, names, bound, whole)
+    if call is None and whole:
+        call = GatheredCall.of(fn, names, bound)
+    return call
+
+
+class GatheredCall:
+    """A :data:`WHOLE` update over split parameters: every split parameter, gradient and state boxed
+    whole onto its ranks (all-gathers; a partial gradient all-reduced), the update on those pieces
+    (:class:`PiecesCall`: each rank the whole update, as one device), and each rank's part of the
+    updated parameters and states written back into their own layouts (slices: no communication).
+    Exact, at the price of the gathers -- which the update's own Newton-Schulz matmuls or norms over
+    split tensors would make too."""
+
+    def __init__(self, call: "PiecesCall", written: list):
+        self.call, self.written = call, written
+
+    @staticmethod
+    def of(fn: Callable, names: list, bound: dict) -> Optional["GatheredCall"]:
+        params = bound.get(names[0])
+        if not params or any(type(p) is not GlobalTensor for p in params) or names[0] != "params":
+            return None
+        grads = names[1]
+        gathered, written = dict(bound), []
+        for k in [k for k in names if type(bound.get(k)) is list and bound[k]]:
+            values = list(bound[k])
+            for i, v in enumerate(values):
+                if type(v) is GlobalTensor and not _whole(v):
+                    values[i] = box(v, intern(v._layout.with_sbp((broadcast,) * v.placement.ndim)))
+                    if k != grads:
+                        written.append((v, values[i]))
+            gathered[k] = values
+        call = PiecesCall.of(fn, names, gathered, whole=True)
+        if call is None:
+            return None
+        call.first_param = params[0]            # its group's settings are read live (a schedule)
+        return GatheredCall(call, written)
+
+    def run(self) -> None:
+        self.call.run()
+        for target, updated in self.written:
+            write_into(target, updated)
 
 
 class PiecesCall:
@@ -126,9 +185,11 @@ class PiecesCall:
     the update writes -- every list's tensors but the gradients (those too for a fused update, which
     unscales them)."""
 
-    def __init__(self, fn: Callable, bound: dict, lists: List[str], plain: set, order: list, columns: dict):
+    def __init__(self, fn: Callable, bound: dict, lists: List[str], plain: set, order: list, columns: dict,
+                 holes: Optional[dict] = None):
         params = bound["params"]
         self.fn, self.lists, self.plain, self.order = fn, lists, plain, order
+        self.holes = holes or {}                  # list -> the elements it holds None for (Adafactor's states)
         self.name = type(_stepping.optimizer).__name__ if _stepping.optimizer is not None else fn.__name__
         self.first_param = params[0]
         self.n = len(params)
@@ -136,7 +197,7 @@ class PiecesCall:
         self.settings = {k: v for k, v in bound.items() if k not in columns and k not in self.tensor_args}
         self.live: dict = {}                      # setting name -> (group, key, index or None)
         self.placeholders = [(j, params[i].dtype, params[i].device) for j, (i, r) in enumerate(order) if r is None]
-        self.held = len(order) - len(self.placeholders)      # pieces per global list
+        self.counts = {k: len(columns[k]) for k in lists if k not in plain}     # pieces per global list
         # a plain list's state at each position of the order: its own (at the element's first held
         # position) or a copy, made at the call; with one position per element, the list as given
         self.copies = self.plain_order = None
@@ -157,10 +218,13 @@ class PiecesCall:
         self.inputs.extend(bound[k] for k in self.tensor_args)
 
     @staticmethod
-    def of(fn: Callable, names: list, bound: dict) -> Optional["PiecesCall"]:
-        """The call on pieces for these arguments; None where the present path must run (module docstring)."""
+    def of(fn: Callable, names: list, bound: dict, whole: bool = False) -> Optional["PiecesCall"]:
+        """The call on pieces for these arguments; None where the present path must run (module docstring).
+        ``whole``: ``fn`` reads each parameter whole, so every parameter must be whole on its ranks."""
         params = bound.get(names[0])
         if not params or type(params[0]) is not GlobalTensor:
+            return None
+        if whole and not all(type(p) is GlobalTensor and _whole(p) for p in params):
             return None
         capture = mapped_call._capture
         if capture is not None and not capture.optimizer_tasks:
@@ -176,11 +240,18 @@ class PiecesCall:
         if set(map(type, params)) != _GLOBAL:
             return None
         layouts = list(map(_LAYOUT, params))
-        given, plain = {"params": params}, set()
+        given, plain, holes = {"params": params}, set(), {}
         for k in lists[1:]:
             values = bound[k]
             kinds = set(map(type, values))
-            if kinds == _GLOBAL:
+            if whole and kinds <= _GLOBAL_OR_NONE and k != grads:
+                # a whole update's states have shapes of their own (Adafactor's row and column
+                # statistics): whole on the parameter's ranks is what the call needs
+                if not all(v is None or (v.placement == p.placement and _whole(v)) for v, p in zip(values, params)):
+                    return None
+                if None in values:
+                    holes[k] = frozenset(i for i, v in enumerate(values) if v is None)
+            elif kinds == _GLOBAL:
                 values = _in_layouts(values, params, layouts, box_them=k == grads and not bound.get("fused"))
                 if values is None:
                     return None
@@ -190,8 +261,10 @@ class PiecesCall:
                 return None             # None (a lazy state), a plain tensor beside global ones, sparse
             given[k] = values
         order, ranks = _order(params, layouts)
-        columns = {k: list(given[k]) if k in plain else _pieces(given[k], order, ranks) for k in lists}
-        return PiecesCall(fn, bound, lists, plain, order, columns)
+        columns = {k: list(given[k]) if k in plain else
+                   [given[k][i]._pieces[r] for i, r in order if r is not None and given[k][i] is not None]
+                   if k in holes else _pieces(given[k], order, ranks) for k in lists}
+        return PiecesCall(fn, bound, lists, plain, order, columns, holes)
 
     def rebuild(self, tensors) -> dict:
         """The original's arguments from the flat tensors: each list over the order (placeholders and
@@ -205,8 +278,11 @@ class PiecesCall:
                     own = [own[i].clone() if copy else own[i] for i, copy in zip(self.plain_order, self.copies)]
                 call[k] = own
                 continue
-            pieces = list(tensors[at:at + self.held])
-            at += self.held
+            pieces = list(tensors[at:at + self.counts[k]])
+            at += self.counts[k]
+            if k in self.holes:
+                call[k] = self._with_holes(pieces, self.holes[k])
+                continue
             for j, dtype, device in self.placeholders:
                 pieces.insert(j, torch.empty(0, dtype=dtype, device=device))
             call[k] = pieces
@@ -217,6 +293,21 @@ class PiecesCall:
         for name, (group, key, index) in self.live.items():
             call[name] = group[key] if index is None else group[key][index]
         return call
+
+    def _with_holes(self, pieces: list, holes: frozenset) -> list:
+        """A list over the order from its pieces: None for its elements without a state, a placeholder
+        where no rank of the element is held here."""
+        empty = {j: (dtype, device) for j, dtype, device in self.placeholders}
+        given = iter(pieces)
+        out = []
+        for j, (i, r) in enumerate(self.order):
+            if i in holes:
+                out.append(None)
+            elif r is None:
+                out.append(torch.empty(0, dtype=empty[j][0], device=empty[j][1]))
+            else:
+                out.append(next(given))
+        return out
 
     def __call__(self, *tensors):
         """Run the update on these tensors (a graph's task; the eager call passes :attr:`inputs`)."""
@@ -244,6 +335,12 @@ class PiecesCall:
 
 
 _GLOBAL = {GlobalTensor}
+_GLOBAL_OR_NONE = {GlobalTensor, type(None)}
+
+
+def _whole(t: GlobalTensor) -> bool:
+    """Every rank of ``t``'s placement holds all of it."""
+    return all(v.is_broadcast for v in t._layout.nd_sbp)
 _PLAIN = {torch.Tensor}
 _LAYOUT = operator.attrgetter("_layout")
 _PIECES = operator.attrgetter("_pieces")
@@ -319,13 +416,14 @@ def _live_settings(settings: dict, first_param) -> tuple:
 
 
 def steps_on_pieces(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt.step()`` takes the path on pieces: a ``torch.optim`` class of :data:`ELEMENTWISE`
-    (a ``ZeroOptimizer``'s wrapped one) over global parameters only, none ``differentiable``."""
+    """Whether ``opt.step()`` takes the path on pieces: a ``torch.optim`` class of :data:`ELEMENTWISE` or
+    :data:`WHOLE` (a ``ZeroOptimizer``'s wrapped one) over global parameters only, none ``differentiable``."""
     from .zero import ZeroOptimizer
     if isinstance(opt, ZeroOptimizer):
         opt = opt._optimizer
-    module = type(opt).__module__
-    if not module.startswith("torch.optim.") or module.rsplit(".", 1)[-1] not in ELEMENTWISE:
+    module = getattr(sys.modules.get(type(opt).step.__module__), "__name__", "")
+    name = module.rsplit(".", 1)[-1]
+    if not module.startswith("torch.optim.") or (name not in ELEMENTWISE and name not in WHOLE):
         return False
     return all(not g.get("differentiable") and all(type(p) is GlobalTensor for p in g["params"])
                for g in opt.param_groups)
