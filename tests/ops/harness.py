@@ -38,6 +38,13 @@ def make_global(t: torch.Tensor, placement, nd_sbp, rng: random.Random, requires
     return x
 
 
+def lay(t: torch.Tensor, sbp, placement="1d", seed: int = 0):
+    """``t`` laid out as ``sbp`` (one SBP or an nd tuple) on a placement of :data:`PLACEMENTS` (by name)
+    or a given one; partial axes as random pieces (:func:`make_global`, seeded by ``seed``)."""
+    p = PLACEMENTS[placement]() if isinstance(placement, str) else placement
+    return make_global(t, p, sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
+
+
 def _random_partial(x, placement, nd_sbp, rng):
     """Pieces of a partial layout: along each partial axis the first rank adds noise that the
     others take off. The noise varies with every coordinate except this axis's and broadcast

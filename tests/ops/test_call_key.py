@@ -2,7 +2,6 @@
 only scales or fills enters the key by its type; dims, sizes, flags and a rule's ``keyed=`` arguments
 by what they decide; one key function serves the look-up and the store; the cache is bounded, least
 recently used out first, and counts its hits and misses."""
-import random
 
 import pytest
 import torch
@@ -13,13 +12,11 @@ from globaltensor.ops.call_key import call_key
 from globaltensor.ops.decide import candidates, route
 from globaltensor.ops.decision_cache import MAXSIZE
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, make_global
+from harness import lay
 
 aten = torch.ops.aten
 
 
-def lay(t, sbp, seed=0):
-    return make_global(t, PLACEMENTS["1d"](), (sbp,), random.Random(seed))
 
 
 @pytest.fixture

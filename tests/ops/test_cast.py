@@ -1,20 +1,17 @@
 """Casts (ops/rules/cast.py) and scalar reads (ops/scalar_read.py): ``x.to(device=, dtype=)`` and
 ``softmax(dtype=)`` under a rule, partial sums through widening casts only, and ``bool / int /
 float(x)`` as collective reads -- none of them through the fallback."""
-import random
 
 import pytest
 import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, make_global, no_fallback, sigs
+from harness import lay, no_fallback, sigs
 
 X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 
 
-def lay(t, sbp, placement="1d", seed=0):
-    return make_global(t, PLACEMENTS[placement](), sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
 
 @pytest.mark.parametrize("kwargs", [dict(device="cpu"), dict(dtype=torch.float32, device=torch.device("cpu")),

@@ -1,18 +1,16 @@
 """The dispatcher (ops/dispatch.py): placement checks, plain tensors and scalars mixing in, the
 decision cache, least-boxing signature choice on 1-D and 2-D placements, written tensors
 keeping their layout, and placements that cover only some of the world's ranks."""
-import random
 import re
 
 import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.boxing import plan_boxing
 from globaltensor.ops import dispatch
 from globaltensor.ops.registry import RULES
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, candidate_signatures, make_global
+from harness import lay
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -21,9 +19,6 @@ XM = torch.randn(8, 6)
 WM = torch.randn(6, 4)
 
 
-def lay(t, sbp, placement="1d", seed=0):
-    p = PLACEMENTS[placement]() if isinstance(placement, str) else placement
-    return make_global(t, p, sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
 
 # -- placements ------------------------------------------------------------------------------

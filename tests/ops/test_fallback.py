@@ -1,6 +1,5 @@
 """Ops without a rule: decomposed where PyTorch can, else gathered to broadcast (ops/fallback.py),
 with a one-time warning naming the op; a rule registered by the user replaces the fallback."""
-import random
 import warnings
 
 import pytest
@@ -10,7 +9,7 @@ import globaltensor as gt
 from globaltensor.ops import fallback
 from globaltensor.ops.registry import RULES, find_rule
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, check_layouts, make_global, no_fallback
+from harness import check_layouts, lay, no_fallback
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -33,8 +32,6 @@ OPS = {
 }
 
 
-def lay(t, sbp, placement="1d", seed=0):
-    return make_global(t, PLACEMENTS[placement](), sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
 
 def _full(v):

@@ -1,13 +1,12 @@
 """Pointwise rules (ops/rules/pointwise.py): broadcasting, casts, in-place and out= ops, and
 partial sums passing only through ops that are linear in them."""
-import random
 
 import pytest
 import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, candidate_signatures, check_all, check_candidates, check_layouts, make_global, sigs
+from harness import candidate_signatures, check_all, check_candidates, check_layouts, lay, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -16,8 +15,6 @@ X = torch.randn(7, 5)
 Y = torch.randn(7, 5)
 
 
-def lay(t, sbp, placement="1d", seed=0):
-    return make_global(t, PLACEMENTS[placement](), sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
 
 

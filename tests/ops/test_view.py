@@ -1,6 +1,5 @@
 """View and shape rules (ops/rules/view.py): splits that survive, boxing where they cannot, and
 writes through views (``x[2:5] = 0``) on every layout."""
-import random
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.sbp import balanced_sizes, broadcast as B, partial_sum as P, split as S
-from harness import PLACEMENTS, check_all, check_candidates, check_layouts, make_global, no_fallback, sigs
+from harness import check_all, check_candidates, check_layouts, lay, no_fallback, sigs
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -19,9 +18,6 @@ X3 = torch.randn(5, 4, 3)
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def lay(t, sbp, placement="1d", seed=0):
-    p = PLACEMENTS[placement]()
-    return make_global(t, p, sbp if isinstance(sbp, tuple) else (sbp,), random.Random(seed))
 
 
 
