@@ -15,6 +15,13 @@ states). Each element gets target layouts first:
 The elements are then grouped by the placement, device and dtype of their targets. An element
 whose per-tensor op has no plain signature (a kernel, a decomposition, the fallback) runs on its
 own through the dispatcher.
+
+A ``_foreach_*`` op's per-tensor op is the record's (``_foreach_add_`` -> ``add_``;
+``_foreach_maximum_`` -> ``maximum(x, y, out=x)``, there being no ``maximum_``), its overload found
+by torch's own resolution for the element's arguments (``add_.Tensor`` for a tensor list,
+``add_.Scalar`` for a number): :func:`element_call`. Everything of the list ops is here and in
+executor/lists.py, which runs the plan and makes torch's optimizers and clipping take their foreach
+paths for global tensors (``install_foreach_support``).
 """
 from __future__ import annotations
 
@@ -26,13 +33,30 @@ import torch
 from ...boxing import Layout
 from ...sbp import broadcast
 from ...tensor import GlobalTensor
-from ..foreach import element_call
 from ...boxing.interned import intern
 from ..schema.args import get
 from ..schema.op_record import record
 
 FUSED = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
 UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+
+
+def element_call(func, args, kwargs, i: int, n: int) -> tuple:
+    """``(per-tensor OpOverload, args, kwargs)`` of element ``i`` of a ``_foreach_*`` call."""
+    rec = record(func)
+    packet, capacity, keywords, out_is_self = rec.per_tensor
+    names = rec.names
+    element = [v[i] if isinstance(v, (list, tuple)) and len(v) == n else
+               (v[i].item() if names[k:k + 1] == ("scalars",) and isinstance(v, torch.Tensor) else v)
+               for k, v in enumerate(args)]
+    kw = dict(kwargs)
+    if len(element) > capacity:
+        kw.update(zip(keywords, element[capacity:]))
+        element = element[:capacity]
+    if out_is_self:
+        kw["out"] = element[0]
+    overload = torch._C._jit_resolve_packet(packet._qualified_op_name, *element, **kw)
+    return getattr(packet, overload), tuple(element), kw
 
 
 def list_kind(func) -> Optional[str]:

@@ -29,7 +29,7 @@ from ...tensor import GlobalTensor, box, replicate, wrap_fresh, write_into
 from ..kept_boxed_copy import box_input
 from ..explicit import explicit, refuse_implicit
 from ..decide.decision import Decision
-from ..foreach import element_call
+from ..decide.lists import element_call
 from ..group_reduce import batched
 from ..writes.copy_views import propagate
 
