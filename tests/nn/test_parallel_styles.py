@@ -162,3 +162,82 @@ def test_errors_name_the_pattern(p1, p2):
     assert gnn.from_parallel_styles(m, {"blocks.*.mix": PrepareModuleInput(input_kwarg_layouts={"scale": Shard(0)},
                                                                            desired_input_kwarg_layouts={"scale": Replicate()})}) \
         == {"blocks.0.mix:input[scale]": (B,), "blocks.1.mix:input[scale]": (B,)}
+
+
+class _TitanAttention(nn.Module):
+    """Module names and call signature as torchtitan's Llama writes them (``attention.wq`` ...,
+    ``forward(x, freqs_cis)``): our own small model, for the names its styles dict keys."""
+
+    def __init__(self, dim=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, freqs_cis):
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = torch.nn.functional.scaled_dot_product_attention(q * freqs_cis, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.attention, self.attention_norm, self.ffn_norm = _TitanAttention(dim), nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.feed_forward = nn.Module()
+        self.feed_forward.w1, self.feed_forward.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.feed_forward.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        ff, y = self.feed_forward, self.ffn_norm(h)
+        return h + ff.w2(torch.nn.functional.silu(ff.w1(y)) * ff.w3(y))
+
+
+class _Titan(nn.Module):
+    def __init__(self, dim=16, vocab=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings, self.norm, self.output = nn.Embedding(vocab, dim), nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.layers = nn.ModuleDict({str(i): _TitanBlock(dim) for i in range(2)})
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        for layer in self.layers.values():
+            h = layer(h, torch.ones(()))
+        return self.output(self.norm(h))
+
+
+def test_torchtitans_styles_dict_trains_a_torchtitan_shaped_model_like_one_device(p1):
+    """docs/howto.md, "Coming from torchtitan": torchtitan's Llama TP plan with sequence parallelism
+    (PrepareModuleInput on attention and the feed-forward, SequenceParallel norms) given to
+    distribute_module: equal to one device in float64, Megatron-SP's collectives only, no fallback;
+    llama_plan with torchtitan's names and head counts gives the same step."""
+    block = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+             **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+    styles = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+              "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+              **{f"layers.*.{name}": style for name, style in block.items()}}
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = _Titan().double()
+    want = ref(ids).square().mean()
+    want.backward()
+    for plan in (styles, gnn.llama_plan(_Titan(), 4, heads=4, kv_heads=4, sequence_parallel=True)):
+        m = _Titan().double()
+        gnn.distribute_module(m, p1, plan)
+        gt.fallback_calls_clear()
+        with gt.comm_stats() as st:
+            loss = m(gt.distribute(ids, p1, B)).square().mean()
+            loss.backward()
+        assert gt.fallback_calls() == {}
+        torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-12, atol=0)
+        for (name, a), b in zip(m.named_parameters(), ref.parameters()):
+            # float64, the same sums in another order; a norm weight's gradient sums 32 products of
+            # terms that cancel, so its relative error is looser than the loss's
+            torch.testing.assert_close(a.grad.full_tensor(), b.grad, rtol=1e-10, atol=1e-14, msg=name)
+        assert set(st.ops()) <= {"all_gather", "reduce_scatter", "all_reduce"}, st.ops()

@@ -24,11 +24,13 @@ CLOSE = dict(rtol=1e-12, atol=1e-300, equal_nan=True)
 
 
 def _scalar_traffic(st_, out_numel: int, world: int = 4) -> None:
-    """Every collective moved the result's elements, not the input's: no more than an all-gather of
-    one result per rank (an inf-norm's) or an all-reduce of the result."""
+    """Every collective moved the result's elements, not the input's: no more bytes than an all-gather
+    of one result per rank (an inf-norm's) or an all-reduce of the result. (Where the input is as
+    small as that, the cost model may move it instead -- an all-to-all of a few elements -- within
+    the same bound.)"""
     most = max(2 * out_numel * 8, world * out_numel * 8)
     for r in st_.records:
-        assert r.op in ("all_reduce", "all_gather") and r.bytes <= most, (r.op, r.bytes, most)
+        assert r.bytes <= most, (r.op, r.bytes, most)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
