@@ -147,6 +147,9 @@ class GatheredCall:
         params = bound.get(names[0])
         if not params or any(type(p) is not GlobalTensor for p in params) or names[0] != "params":
             return None
+        capture = mapped_call._capture
+        if bound.get("differentiable") or (capture is not None and not capture.optimizer_tasks):
+            return None                     # PiecesCall would refuse these: gather nothing for it
         grads = names[1]
         gathered, written = dict(bound), []
         for k in [k for k in names if type(bound.get(k)) is list and bound[k]]:
