@@ -65,6 +65,12 @@ class LaunchResult:
         """The JSON records ``ranks`` printed as ``GT {json}`` lines, rank by rank."""
         return [json.loads(line[len(prefix):]) for r in ranks for line in self.lines(r) if line.startswith(prefix)]
 
+    def one_record_each(self, ranks: Sequence[int], prefix: str = "GT ") -> list:
+        """:meth:`records` of ``ranks``, failing the test (with the job's output) unless each printed one."""
+        records = self.records(ranks, prefix)
+        assert len(records) == len(ranks), f"{len(records)} records from ranks {list(ranks)}\n" + self.describe()
+        return records
+
     def describe(self, tail: int = OUTPUT_TAIL_LINES) -> str:
         def last(text):
             lines = [line if len(line) <= 400 else line[:400] + " [...]" for line in text.splitlines()]

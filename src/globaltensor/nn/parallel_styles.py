@@ -72,13 +72,12 @@ def from_parallel_styles(module: nn.Module, styles: Mapping[str, object], *, axi
     params = dict(module.named_parameters())
     plan: dict = {}
     for pattern, style in styles.items():
-        names = [n for n in params if fnmatchcase(n, pattern)] if _names_a_parameter(pattern, params, modules) \
-            else [n for n in modules if n and fnmatchcase(n, pattern)]
-        if not names:
+        matched = {n: m for n, m in modules.items() if n and fnmatchcase(n, pattern)} or \
+            {n: p for n, p in params.items() if fnmatchcase(n, pattern)}
+        if not matched:
             raise ValueError(f"from_parallel_styles: pattern {pattern!r} matches no module or parameter of "
                              f"{type(module).__name__}; names look like {list(modules)[1:4]}")
-        for name in names:
-            target = params.get(name) if name in params and name not in modules else modules[name]
+        for name, target in matched.items():
             plan.update(_translate(name, target, style, axis, ndim))
     return plan
 
@@ -105,10 +104,6 @@ def is_parallel_style(value) -> bool:
         return True
     from torch.distributed.tensor.parallel import ParallelStyle
     return isinstance(value, ParallelStyle)
-
-
-def _names_a_parameter(pattern: str, params: dict, modules: dict) -> bool:
-    return any(fnmatchcase(n, pattern) for n in params) and not any(n and fnmatchcase(n, pattern) for n in modules)
 
 
 def _translate(name: str, target, style, axis: int, ndim: int) -> dict:

@@ -190,7 +190,7 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     _check_ranks(ranks)
     config = _config(model_or_config)
     module = model_or_config if isinstance(model_or_config, nn.Module) else None
-    modules = [n for n, _ in module.named_modules()] if module is not None else None
+    modules = dict(module.named_modules()) if module is not None else None
     names = _TITAN_NAMES if modules is not None and any(n.endswith(".attention.wq") for n in modules) else _HF_NAMES
     heads = heads if heads is not None else _heads(config, ("num_attention_heads", "n_heads"), "heads")
     kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_heads", None) or heads
@@ -203,9 +203,9 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
         return modules is None or any(fnmatchcase(n, pattern) for n in modules)
 
     def biased(pattern: str, configured: bool) -> bool:
-        if module is None:
+        if modules is None:
             return configured
-        return any(fnmatchcase(n, pattern) and getattr(m, "bias", None) is not None for n, m in module.named_modules())
+        return any(fnmatchcase(n, pattern) and getattr(m, "bias", None) is not None for n, m in modules.items())
 
     attn_bias = any(bool(getattr(config, k, False)) for k in ("attention_bias", "use_qkv_bias", "qkv_bias"))
     mlp_bias = bool(getattr(config, "mlp_bias", False))

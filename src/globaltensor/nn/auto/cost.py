@@ -102,7 +102,7 @@ class HostReads(TorchDispatchMode):
 def record_host_reads(model: nn.Module, step: Callable, args: list) -> list:
     """The host reads of ``step(model, *args)`` run for real on one device (:class:`HostReads`); the
     model's gradients and buffers (running statistics) are put back as they were."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     for p in params:

@@ -84,11 +84,12 @@ class ListRunner:
         if self.kind == "unscale":
             self._agree_found_inf(args, kwargs, given_found)
         self._write_back(args, kwargs, boxed)
-        with batched():
-            for i in self.solo:
-                result = self._run_solo(args, kwargs, i)
-                if outputs is not None:
-                    outputs[i] = result
+        if self.solo:
+            with batched():
+                for i in self.solo:
+                    result = self._run_solo(args, kwargs, i)
+                    if outputs is not None:
+                        outputs[i] = result
         return outputs
 
     def _inputs(self, args, kwargs) -> tuple:

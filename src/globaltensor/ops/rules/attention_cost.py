@@ -75,11 +75,10 @@ def heads_line_up(q_index: int):
 
     def admit(targets) -> bool:
         q, k = targets[q_index], targets[key]
-        if not any(v.is_split and v.dim == 1 for v in q.nd_sbp) or not k.shape[1]:
+        if not k.shape[1] or not any(v.is_split and v.dim == 1 for v in q.nd_sbp) or \
+                not any(v.is_split and v.dim == 1 for v in k.nd_sbp):
             return True
         group = q.shape[1] // k.shape[1]
-        if not any(v.is_split and v.dim == 1 for v in k.nd_sbp):
-            return True
         for r in q.placement.rank_list():
             kept = [(s * group, o * group, n * group) for s, o, n in k.segments(r, 1) if n]
             if [seg for seg in q.segments(r, 1) if seg[2]] != kept:

@@ -66,19 +66,19 @@ def _reducing_axes(x_layout, out_layout) -> tuple:
 def _kernel(spec: Reduction):
     def kernel(func, args, kwargs, ins, outs, calls):
         axes = _reducing_axes(ins[0], outs[0])
+        p = _order(bind(func, args, kwargs))
         results = {}
         for r, (ra, rkw) in calls.items():
             a = bind(func, ra, rkw)
             piece = a[first_arg_name(func)]
             empty = any(piece.shape[d] == 0 for d in reduced_dims(spec, piece, a))
-            p = _order(a)
             if empty and (p < 0 or math.isinf(p)):
                 results[r] = torch.full(outs[0].piece_shape(r), 0.0 if p > 0 else math.inf, dtype=outs[0].dtype,
                                         device=piece.device)
             else:
                 results[r] = func(*ra, **rkw)
         if axes:
-            _combine(ins[0].placement, axes, _order(bind(func, args, kwargs)), results)
+            _combine(ins[0].placement, axes, p, results)
         return results
     return kernel
 
