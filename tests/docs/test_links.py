@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from doc_blocks import PAGES, ROOT
+
 PATH = re.compile(r"(?<![\w/.])((?:examples|docs|benchmarks|src|tests)/[\w/.-]+\.(?:py|md|ipynb|json))")
 
 

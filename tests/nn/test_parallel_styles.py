@@ -3,6 +3,9 @@ table, module by module; a model distributed by styles trains like one device; a
 at an argument or result position; the errors name the pattern."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +15,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 import globaltensor as gt
 import globaltensor.nn as gnn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from titan_llama import Transformer  # noqa: E402
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 
@@ -164,48 +170,10 @@ def test_errors_name_the_pattern(p1, p2):
         == {"blocks.0.mix:input[scale]": (B,), "blocks.1.mix:input[scale]": (B,)}
 
 
-class _TitanAttention(nn.Module):
-    """Module names and call signature as torchtitan's Llama writes them (``attention.wq`` ...,
-    ``forward(x, freqs_cis)``): our own small model, for the names its styles dict keys."""
-
-    def __init__(self, dim=16, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x, freqs_cis):
-        b, t, d = x.shape
-        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = torch.nn.functional.scaled_dot_product_attention(q * freqs_cis, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, d))
-
-
-class _TitanBlock(nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.attention, self.attention_norm, self.ffn_norm = _TitanAttention(dim), nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.feed_forward = nn.Module()
-        self.feed_forward.w1, self.feed_forward.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
-        self.feed_forward.w2 = nn.Linear(2 * dim, dim, bias=False)
-
-    def forward(self, x, freqs_cis):
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
-        ff, y = self.feed_forward, self.ffn_norm(h)
-        return h + ff.w2(torch.nn.functional.silu(ff.w1(y)) * ff.w3(y))
-
-
-class _Titan(nn.Module):
-    def __init__(self, dim=16, vocab=32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok_embeddings, self.norm, self.output = nn.Embedding(vocab, dim), nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
-        self.layers = nn.ModuleDict({str(i): _TitanBlock(dim) for i in range(2)})
-
-    def forward(self, ids):
-        h = self.tok_embeddings(ids)
-        for layer in self.layers.values():
-            h = layer(h, torch.ones(()))
-        return self.output(self.norm(h))
+def _titan() -> nn.Module:
+    """examples/titan_llama.py's Llama (torchtitan's module names), float64, one initialisation."""
+    torch.manual_seed(0)
+    return Transformer().double()
 
 
 def test_torchtitans_styles_dict_trains_a_torchtitan_shaped_model_like_one_device(p1):
@@ -224,11 +192,11 @@ def test_torchtitans_styles_dict_trains_a_torchtitan_shaped_model_like_one_devic
               "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
               **{f"layers.*.{name}": style for name, style in block.items()}}
     ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
-    ref = _Titan().double()
+    ref = _titan()
     want = ref(ids).square().mean()
     want.backward()
-    for plan in (styles, gnn.llama_plan(_Titan(), 4, heads=4, kv_heads=4, sequence_parallel=True)):
-        m = _Titan().double()
+    for plan in (styles, gnn.llama_plan(_titan(), 4, heads=4, kv_heads=4, sequence_parallel=True)):
+        m = _titan()
         gnn.distribute_module(m, p1, plan)
         gt.fallback_calls_clear()
         with gt.comm_stats() as st:
