@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 TORCH_OLDEST := 2.9.1
 TORCH_NEWEST := 2.15.0
 
-.PHONY: demo test test-compat compat-venvs bench clean
+.PHONY: demo test test-compat compat-venvs bench docs-numbers clean
 
 # The suite's processes (two pytest workers per run, launched ranks, three runs in CI) read the
 # project's modules from bytecode caches where an environment turns them off (PYTHONDONTWRITEBYTECODE):
@@ -58,6 +58,11 @@ test-compat: compat-venvs
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# the bytes, collectives and reports the docs print, rewritten from a run of the code (tools/docs_numbers.py);
+# tests/docs/test_docs_numbers.py fails when a page differs
+docs-numbers: $(STAMP)
+	PYTHONPATH=src $(PY) tools/docs_numbers.py
 
 clean:
 	rm -rf .venv .venv-torch-*

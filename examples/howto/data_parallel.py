@@ -6,8 +6,9 @@
 The parameters are broadcast (``B``: replicated) on a 1-D placement of 4 ranks, the batch is
 split along dim 0 (``S(0)``). Each op then runs on each rank's rows; the loss, a mean over the
 batch, comes out partial (``P``), and so do the parameters' gradients. A gradient comes back in
-its parameter's layout (``B``), so reading it all-reduces it: the optimizer sees the same
-gradient on every rank, as with DDP, and every rank applies the same update.
+its parameter's layout (``B``): the partial sums are all-reduced in buckets while the backward
+runs, as DDP does, so the optimizer sees the same gradient on every rank and every rank applies
+the same update.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def run(argv=None) -> sbs.Result:
 
     def step(idx, targets):
         loss = model.loss(idx, targets)
-        loss.backward()                                    # gradients: partial sums over the ranks
-        opt.step()                                         # reads them as B: one all-reduce each
+        loss.backward()                                    # gradients: all-reduced in buckets as they come
+        opt.step()
         opt.zero_grad()
         return loss
 

@@ -53,7 +53,8 @@ def run(argv=None) -> sbs.Result:
     def to_global(idx, targets):
         return gt.distribute(idx, placement, S(0)), gt.distribute(targets, placement, S(0))
 
-    return sbs.train(model, reference, step, to_global, args, reference_step=reference_step)
+    return sbs.train(model, reference, step, to_global, args, reference_step=reference_step,
+                     float32_differs_by="bfloat16 rounding of sums taken in another order")
 
 
 if __name__ == "__main__":

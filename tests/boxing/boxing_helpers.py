@@ -19,7 +19,7 @@ def sbp_values(ndim: int, partial: bool = True) -> list:
     return vals + [P] if partial else vals
 
 
-def logical(shape, dtype=torch.float64, seed=0) -> torch.Tensor:
+def small_integers(shape, dtype=torch.float64, seed=0) -> torch.Tensor:
     """A random logical tensor with small integer values (sums stay exact)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-50, 50, tuple(shape), generator=g).to(dtype)

@@ -8,7 +8,7 @@ from globaltensor.boxing import plan_boxing
 from globaltensor.boxing.layout import intersect
 from globaltensor.sbp import numel
 
-from boxing_helpers import B, P, S, check_pieces, layout, logical, make_pieces, nbytes, run_plan, sbp_values
+from boxing_helpers import B, P, S, check_pieces, layout, small_integers, make_pieces, nbytes, run_plan, sbp_values
 
 
 def table_bound(src, dst) -> int:
@@ -75,7 +75,7 @@ def test_every_pair(x, y, shape, p):
         pl = gt.placement("cpu", list(range(p)))
         xs, ys = _norm(NAMES[x], len(shape)), _norm(NAMES[y], len(shape))
         src, dst = layout(shape, pl, xs), layout(shape, pl, ys)
-        t = logical(shape, seed=p)
+        t = small_integers(shape, seed=p)
         plan, stats = run_plan(src, dst, t, seed=p)
         assert plan.bytes <= table_bound(src, dst)
         assert plan.bytes == table_bound(src, dst)  # the planner meets the bound exactly
@@ -97,7 +97,7 @@ def test_random_shapes_boxing_layer(data):
     with gt.simulate(p):
         ranks = data.draw(st.permutations(range(p)), label="ranks")
         pl = gt.placement("cpu", list(ranks))
-        t = logical(shape, dtype, seed=p)
+        t = small_integers(shape, dtype, seed=p)
         for x in sbp_values(ndim):
             for y in sbp_values(ndim):
                 src, dst = layout(shape, pl, x, dtype), layout(shape, pl, y, dtype)
@@ -118,7 +118,7 @@ def test_random_shapes_to_global(data):
     y = data.draw(st.sampled_from(sbp_values(ndim)), label="dst")
     with gt.simulate(p):
         pl = gt.placement("cpu", list(range(p)))
-        t = logical(shape, seed=p)
+        t = small_integers(shape, seed=p)
         g = gt.distribute(t, pl, x)
         assert g.sbp == (x,) and tuple(g.shape) == shape and g.placement == pl
         src = layout(shape, pl, x)
@@ -146,7 +146,7 @@ def test_s_to_b_uneven_example():
     the next rank's piece, so the busiest sends 7 - 1 = 6 rows."""
     with gt.simulate(4):
         pl = gt.placement("cpu", [0, 1, 2, 3])
-        t = logical((7, 3))
+        t = small_integers((7, 3))
         x = gt.distribute(t, pl, S(0))
         assert [tuple(v.shape) for v in x.local_tensors().values()] == [(2, 3), (2, 3), (2, 3), (1, 3)]
         with gt.comm_stats() as st_:
@@ -160,7 +160,7 @@ def test_s_to_b_uneven_example():
 def test_p_to_b_is_one_all_reduce():
     with gt.simulate(4):
         pl = gt.placement("cpu", [0, 1, 2, 3])
-        t = logical((8, 4))
+        t = small_integers((8, 4))
         src = layout(t.shape, pl, P)
         plan, st_ = run_plan(src, layout(t.shape, pl, B), t)
         assert st_.ops() == ["all_reduce"]

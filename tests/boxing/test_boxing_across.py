@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import globaltensor as gt
 from globaltensor.boxing import execute, plan_boxing
 
-from boxing_helpers import B, P, S, check_pieces, layout, logical, make_pieces, nbytes, run_plan, sbp_values
+from boxing_helpers import B, P, S, check_pieces, layout, small_integers, make_pieces, nbytes, run_plan, sbp_values
 
 WORLD = 8  # ranks 6 and 7 are in neither placement of most scenarios
 
@@ -63,7 +63,7 @@ def test_scenario(name):
         if sp.ndim == dp.ndim == 1:
             cases += [(8, 4), (3, 2), (0, 3), (), (12,)]
         for shape in cases:
-            t = logical(shape, seed=len(shape))
+            t = small_integers(shape, seed=len(shape))
             for x in nd_sbps(sp, len(shape)):
                 for y in nd_sbps(dp, len(shape)):
                     src, dst = layout(shape, sp, x), layout(shape, dp, y)
@@ -92,7 +92,7 @@ def test_random_placements(data):
         x = tuple(data.draw(st.lists(st.sampled_from(vals), min_size=sp.ndim, max_size=sp.ndim), label="src sbp"))
         y = tuple(data.draw(st.lists(st.sampled_from(vals), min_size=dp.ndim, max_size=dp.ndim), label="dst sbp"))
         src, dst = layout(shape, sp, x), layout(shape, dp, y)
-        plan, _ = run_plan(src, dst, logical(shape, seed=ndim), seed=ndim)
+        plan, _ = run_plan(src, dst, small_integers(shape, seed=ndim), seed=ndim)
         assert plan.bytes <= bound(src), (plan, bound(src))
 
 
@@ -102,7 +102,7 @@ def test_to_global_between_placements(x, y):
     """The user API: placement= and sbp= change at once; the world has a rank in neither."""
     with gt.simulate(6):
         p1, p2 = gt.placement("cpu", [0, 1, 2]), gt.placement("cpu", [2, 3, 4])
-        t = logical((7, 5))
+        t = small_integers((7, 5))
         g = gt.distribute(t, p1, x)
         with gt.comm_stats() as st_:
             out = g.to_global(placement=p2, sbp=y)
@@ -120,7 +120,7 @@ def test_to_global_between_placements(x, y):
 def test_partial_pieces_between_placements():
     with gt.simulate(5):
         sp, dp = gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [1, 4])
-        t = logical((6, 4))
+        t = small_integers((6, 4))
         src = layout(t.shape, sp, (P, S(1)))
         g = gt.GlobalTensor(src, make_pieces(src, t, seed=3))
         out = g.to_global(placement=dp, sbp=B)
@@ -130,7 +130,7 @@ def test_partial_pieces_between_placements():
 def test_full_tensor_of_a_tensor_on_some_ranks():
     """full_tensor() reaches ranks outside the placement (a B -> B move to a superset)."""
     with gt.simulate(4):
-        t = logical((5, 2))
+        t = small_integers((5, 2))
         for ranks in ([0, 1], [2, 3], [1], [3, 1]):
             g = gt.distribute(t, gt.placement("cpu", ranks), S(0))
             assert torch.equal(g.full_tensor(), t)
@@ -143,7 +143,7 @@ def test_b_to_b_superset_keeps_and_broadcasts():
     with gt.simulate(4):
         src = layout((4, 4), gt.placement("cpu", [1, 2]), B)
         dst = layout((4, 4), gt.placement("cpu", [0, 1, 2, 3]), B)
-        plan, st_ = run_plan(src, dst, logical((4, 4)))
+        plan, st_ = run_plan(src, dst, small_integers((4, 4)))
         assert st_.count == 1 and st_.ops()[0] in ("broadcast", "send_recv")
         assert plan.bytes == nbytes((4, 4))
         assert plan.bytes_per_rank.get(0, 0) == plan.bytes_per_rank.get(3, 0) == 0
@@ -154,9 +154,9 @@ def test_same_ranks_same_pieces_move_nothing():
     with gt.simulate(4):
         src = layout((8, 3), gt.placement("cpu", [0, 1, 2, 3]), S(0))
         dst = layout((8, 3), gt.placement("cpu", [[0, 1], [2, 3]]), (S(0), S(0)))
-        plan, st_ = run_plan(src, dst, logical((8, 3)))
+        plan, st_ = run_plan(src, dst, small_integers((8, 3)))
         assert plan.bytes == 0 and st_.count == 0
-        plan, st_ = run_plan(dst, src, logical((8, 3)))
+        plan, st_ = run_plan(dst, src, small_integers((8, 3)))
         assert plan.bytes == 0 and st_.count == 0
 
 
@@ -166,7 +166,7 @@ def test_s_to_b_on_overlapping_ranks_within_one_tensor():
     with gt.simulate(4):
         src = layout((12, 4), gt.placement("cpu", [0, 1]), S(0))
         dst = layout((12, 4), gt.placement("cpu", [1, 2, 3]), B)
-        plan, _ = run_plan(src, dst, logical((12, 4)))
+        plan, _ = run_plan(src, dst, small_integers((12, 4)))
         assert plan.bytes <= nbytes((12, 4))
 
 
@@ -176,7 +176,7 @@ def test_boxing_plan_runs_nothing():
     with gt.simulate(4):
         p = gt.placement("cpu", [0, 1, 2, 3])
         p2 = gt.placement("cpu", [[0, 1], [2, 3]])
-        t = logical((8, 6))
+        t = small_integers((8, 6))
         x = gt.distribute(t, p, S(0))
         before = {r: v.clone() for r, v in x.local_tensors().items()}
         with gt.comm_stats() as st_:
@@ -202,7 +202,7 @@ def test_boxing_plan_runs_nothing():
 
 def test_boxing_plan_bad_input():
     with gt.simulate(4):
-        x = gt.distribute(logical((4, 4)), gt.placement("cpu", [0, 1, 2, 3]), S(0))
+        x = gt.distribute(small_integers((4, 4)), gt.placement("cpu", [0, 1, 2, 3]), S(0))
         with pytest.raises(TypeError, match="global tensor"):
             gt.boxing_plan(torch.zeros(3), sbp=B)
         with pytest.raises(ValueError, match=r"split dim 2 is out of range"):
@@ -225,7 +225,7 @@ def test_plan_boxing_rejects_shape_or_dtype_change():
 @pytest.mark.parametrize("y", [B, P, S(1)])
 def test_between_device_types(x, y):
     with gt.simulate(4):
-        t = logical((5, 3))
+        t = small_integers((5, 3))
         for a, b in [(gt.placement("cpu", [0, 1]), gt.placement("cuda", [1, 2, 3])),
                      (gt.placement("cuda", [[0, 1], [2, 3]]), gt.placement("cpu", [3, 0]))]:
             src, dst = layout(t.shape, a, (x,) * a.ndim), layout(t.shape, b, (y,) * b.ndim)

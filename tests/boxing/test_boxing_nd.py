@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 import globaltensor as gt
 from globaltensor.boxing import plan_boxing
 
-from boxing_helpers import B, P, S, check_pieces, layout, logical, nbytes, run_plan, sbp_values
+from boxing_helpers import B, P, S, check_pieces, layout, small_integers, nbytes, run_plan, sbp_values
 
 HIERARCHIES = [(1, 2), (2, 1), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (1, 1), (2, 2, 2), (1, 2, 3), (2, 1, 2),
                (2, 2, 1)]
@@ -39,7 +39,7 @@ def test_random_nd_boxing(case):
     n = int(np.prod(h))
     with gt.simulate(n):
         pl = placement_of(h, order)
-        t = logical(shape, seed=n)
+        t = small_integers(shape, seed=n)
         src, dst = layout(shape, pl, x), layout(shape, pl, y)
         plan, _ = run_plan(src, dst, t, seed=len(shape))
         all_b = layout(shape, pl, (B,) * len(h))
@@ -57,7 +57,7 @@ def test_random_nd_to_global(case):
     n = int(np.prod(h))
     with gt.simulate(n):
         pl = placement_of(h, order)
-        t = logical(shape, seed=n)
+        t = small_integers(shape, seed=n)
         g = gt.distribute(t, pl, x)
         assert g.sbp == x
         check_pieces(layout(shape, pl, x), g.local_tensors(), t)
@@ -72,7 +72,7 @@ def _run(h, shape, x, y):
     n = int(np.prod(h))
     with gt.simulate(n):
         pl = placement_of(h)
-        t = logical(shape)
+        t = small_integers(shape)
         return run_plan(layout(shape, pl, x), layout(shape, pl, y), t)
 
 
@@ -155,7 +155,7 @@ def test_every_pair_of_nd_sbps_small(h):
         nds = nds[::3]
     with gt.simulate(n):
         pl = placement_of(h)
-        t = logical(shape)
+        t = small_integers(shape)
         for x in nds:
             via_b = plan_boxing(layout(shape, pl, x), layout(shape, pl, (B,) * len(h)))
             for y in nds:

@@ -6,7 +6,7 @@ import globaltensor as gt
 from globaltensor.comm import Transfer, stats
 from globaltensor.comm.simulated import SimulatedWorld
 
-from boxing_helpers import B, P, S, layout, logical, run_plan
+from boxing_helpers import B, P, S, layout, small_integers, run_plan
 
 
 def ones(*shape, v=1.0):
@@ -117,7 +117,7 @@ def test_single_rank_groups_issue_no_collective():
     """An axis of size one: its conversions are local (the one rank's piece is the whole)."""
     with gt.simulate(2):
         pl = gt.placement("cpu", [[0, 1]])  # hierarchy (1, 2)
-        t = logical((4, 3))
+        t = small_integers((4, 3))
         for x, y in [((P, S(0)), (B, S(0))), ((S(1), S(0)), (B, S(0))), ((S(0), B), (S(1), B))]:
             plan, st = run_plan(layout(t.shape, pl, x), layout(t.shape, pl, y), t)
             assert st.count == 0 and plan.bytes == 0 and plan.collectives == []

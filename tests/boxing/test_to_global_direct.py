@@ -5,7 +5,7 @@ import torch
 
 import globaltensor as gt
 
-from boxing_helpers import B, P, S, check_pieces, layout, logical, sbp_values
+from boxing_helpers import B, P, S, check_pieces, layout, small_integers, sbp_values
 
 
 def test_repeated_conversions_agree_with_the_differentiable_path():
@@ -13,7 +13,7 @@ def test_repeated_conversions_agree_with_the_differentiable_path():
     second result does not change the first (nothing of a result is reused by the next call)."""
     with gt.simulate(3):
         pl = gt.placement("cpu", [0, 1, 2])
-        t = logical((7, 5))
+        t = small_integers((7, 5))
         for x in sbp_values(2):
             for y in sbp_values(2):
                 g = gt.distribute(t, pl, x)
@@ -52,7 +52,7 @@ def test_sbp_given_as_a_list_and_a_new_placement():
     with gt.simulate(4):
         pl = gt.placement("cpu", [0, 1, 2, 3])
         pl2 = gt.placement("cpu", [[0, 1], [2, 3]])
-        t = logical((8, 6))
+        t = small_integers((8, 6))
         x = gt.distribute(t, pl, S(0))
         for _ in range(2):
             check_pieces(layout((8, 6), pl, S(1)), x.to_global(sbp=[S(1)]).local_tensors(), t)

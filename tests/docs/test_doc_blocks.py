@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import job_env, launch, run_job
 from doc_blocks import PAGES, ROOT, blocks, setup_name
 
 RUN_PAGE = Path(__file__).resolve().parent / "run_page.py"
@@ -23,15 +22,15 @@ def _ran(output: str) -> list:
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=[p.name for p in PAGES_WITH_CODE])
-def test_every_block_of_the_page_runs(page, tmp_path):
+def test_every_block_of_the_page_runs(page, tmp_path, launch, launch_tools):
     expected = [b.where for b in blocks(page) if not b.not_run]
     if setup_name(page) == "processes":
         result = launch(RUN_PAGE, 4, args=[str(page)], timeout=PAGE_TIMEOUT_S, check=False)
         output = "\n".join(result.lines(0))
     else:
         (tmp_path / "examples").symlink_to(ROOT / "examples")
-        env = job_env(extra={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
-        result = run_job([sys.executable, str(RUN_PAGE), str(page)], env=env, timeout=PAGE_TIMEOUT_S,
+        env = launch_tools.job_env(extra={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
+        result = launch_tools.run_job([sys.executable, str(RUN_PAGE), str(page)], env=env, timeout=PAGE_TIMEOUT_S,
                          cwd=str(tmp_path))
         output = result.stdout
     assert result.returncode == 0 and _ran(output) == expected, result.describe()

@@ -1,6 +1,6 @@
 """HuggingFace Llama / GPT-2 (tiny configs, their own code) trained on global tensors beside one device.
 
-``train_side_by_side(kind, placement, plan, batch_sbp, attn)`` builds the model, lays its
+``train_hf_side_by_side(kind, placement, plan, batch_sbp, attn)`` builds the model, lays its
 parameters out by ``plan``, and runs training steps of the distributed model and of a
 single-device copy from the same init and data, in float64: every step the losses agree,
 every gradient equals the reference's and has its parameter's SBP, and the fallback never runs
@@ -25,6 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import globaltensor as gt
 from globaltensor.tensor import GlobalTensor
 from fallback_guard import no_fallback  # noqa: F401  (re-exported for the model tests)
+from reference_checks import check_gradients, check_parameters
 
 VOCAB, HIDDEN, LAYERS, HEADS, BATCH, SEQ = 128, 64, 2, 4, 8, 16
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -51,7 +52,7 @@ class Run:
     losses: List[float] = field(default_factory=list)
 
 
-def train_side_by_side(kind, placement, plan, batch_sbp, attn="sdpa", steps=2, kv_heads=HEADS, shape=(BATCH, SEQ),
+def train_hf_side_by_side(kind, placement, plan, batch_sbp, attn="sdpa", steps=2, kv_heads=HEADS, shape=(BATCH, SEQ),
                        shifted=False) -> Run:
     """``shifted``: the labels are made shifted from the whole batch and laid out as the tokens, so
     the loss needs no token from another rank (what a sequence split wants); else the loss shifts
@@ -78,19 +79,14 @@ def train_side_by_side(kind, placement, plan, batch_sbp, attn="sdpa", steps=2, k
         ref_loss.backward()
         assert isinstance(loss, GlobalTensor)
         torch.testing.assert_close(loss.full_tensor(), ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            assert grads[name].sbp == layouts[name], f"step {step}: {name}'s gradient is {grads[name].sbp}, " \
-                                                     f"its parameter {layouts[name]}"
-            torch.testing.assert_close(grads[name].full_tensor(), q.grad, **TOL,
-                                       msg=lambda m: f"step {step}, {name}'s gradient: {m}")
+        check_gradients(step, ((n, grads[n], layouts[n]) for n in layouts), reference.parameters(), TOL)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         run.records = list(stats.records)
         run.losses.append(ref_loss.item())
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(p.full_tensor(), q, **TOL, msg=lambda m: f"{name} after {steps} steps: {m}")
+    check_parameters(list(layouts), model.parameters(), reference.parameters(), TOL, f"after {steps} steps")
     return run
 
 

@@ -2,7 +2,7 @@
 bytes a step than their hand plans (docs/models.md), and Phi-3 -- fused ``qkv_proj`` and ``gate_up_proj``,
 which ``llama_plan`` refuses -- is planned with blocked splits that keep heads whole.
 
-Each runs models_helpers.train_side_by_side (float64, no fallback, gradients in their parameters'
+Each runs models_helpers.train_hf_side_by_side (float64, no fallback, gradients in their parameters'
 layouts); its last step's collectives are the step's bytes (the gradients' reductions included:
 data-parallel buckets reduce them in the backward)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers import Phi3Config, Phi3ForCausalLM
 import globaltensor as gt
 import globaltensor.nn as gnn
 from models_helpers import BATCH, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, make_model, next_token_loss, \
-    train_side_by_side
+    train_hf_side_by_side
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 
@@ -34,20 +34,20 @@ def _auto_run(kind, placement, model=None):
     model = model if model is not None else make_model(kind, "sdpa")
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
     plan = gnn.auto_plan(model, placement, (ids,), step=lm_step, optimizer=torch.optim.SGD)
-    return plan, train_side_by_side(kind, placement, plan, plan.inputs[0])
+    return plan, train_hf_side_by_side(kind, placement, plan, plan.inputs[0])
 
 
 def test_llama_auto_plan_trains_as_one_device_at_no_more_than_the_hand_plans(p1):
     plan, run = _auto_run("llama", p1)
-    tp = train_side_by_side("llama", p1, gnn.llama_plan(make_model("llama", "sdpa"), ranks=4), B)
-    dp = train_side_by_side("llama", p1, {}, S(0))
+    tp = train_hf_side_by_side("llama", p1, gnn.llama_plan(make_model("llama", "sdpa"), ranks=4), B)
+    dp = train_hf_side_by_side("llama", p1, {}, S(0))
     assert _bytes(run) <= min(_bytes(tp), _bytes(dp))
 
 
 def test_gpt2_auto_plan_trains_as_one_device_at_no_more_than_the_hand_plans(p1):
     plan, run = _auto_run("gpt2", p1)
-    tp = train_side_by_side("gpt2", p1, gnn.gpt2_plan(make_model("gpt2", "sdpa"), ranks=4), B)
-    dp = train_side_by_side("gpt2", p1, {}, S(0))
+    tp = train_hf_side_by_side("gpt2", p1, gnn.gpt2_plan(make_model("gpt2", "sdpa"), ranks=4), B)
+    dp = train_hf_side_by_side("gpt2", p1, {}, S(0))
     assert _bytes(run) <= min(_bytes(tp), _bytes(dp))
 
 
@@ -68,7 +68,7 @@ def test_phi3_no_hand_plan_covers_is_auto_planned_with_heads_kept_whole(p1, monk
     plan, run = _auto_run("phi3", p1, model)
     qkv, gate_up = plan["model.layers.0.self_attn.qkv_proj.weight"], plan["model.layers.0.mlp.gate_up_proj.weight"]
     assert qkv == (S(0, blocks=3),) and gate_up == (S(0, blocks=2),), plan.explain()
-    dp = train_side_by_side("phi3", p1, {}, S(0))
+    dp = train_hf_side_by_side("phi3", p1, {}, S(0))
     assert _bytes(run) <= _bytes(dp)
 
 

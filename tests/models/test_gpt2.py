@@ -13,7 +13,7 @@ import torch
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, split as S
 from models_helpers import (BATCH, SEQ, VOCAB, gradient_all_reduce_bytes, make_model, megatron_collectives,
-                            next_token_loss, train_side_by_side)
+                            next_token_loss, train_hf_side_by_side)
 from test_llama import _sent
 
 
@@ -21,14 +21,14 @@ from test_llama import _sent
 def test_tensor_parallel_step_is_megatrons(p1, attn):
     """Attention and the MLP split by heads with no communication; each row-parallel layer's
     output (its bias joining the partial sum) is all-reduced once each way: Megatron's 8."""
-    run = train_side_by_side("gpt2", p1, gt.nn.gpt2_plan(make_model("gpt2", attn), 4), B, attn)
+    run = train_hf_side_by_side("gpt2", p1, gt.nn.gpt2_plan(make_model("gpt2", attn), 4), B, attn)
     assert [(r.op, r.bytes) for r in run.records] == megatron_collectives(tp=4)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_hybrid_step(p2, attn):
     model = make_model("gpt2", attn)
-    run = train_side_by_side("gpt2", p2, gt.nn.gpt2_plan(model, 2, axis=1, ndim=2), (S(0), B), attn)
+    run = train_hf_side_by_side("gpt2", p2, gt.nn.gpt2_plan(model, 2, axis=1, ndim=2), (S(0), B), attn)
     megatron = megatron_collectives(tp=2, dp=2)
     assert _sent(run.records) <= 1.1 * (sum(b for _, b in megatron) // 2 + gradient_all_reduce_bytes(run.model, 0))
 

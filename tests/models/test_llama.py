@@ -6,7 +6,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, split as S
-from models_helpers import gradient_all_reduce_bytes, make_model, megatron_collectives, no_fallback, train_side_by_side
+from models_helpers import gradient_all_reduce_bytes, make_model, megatron_collectives, no_fallback, train_hf_side_by_side
 
 
 def _sent(records) -> int:
@@ -21,7 +21,7 @@ def test_tensor_parallel_step_is_megatrons(p1, attn):
     after the MLP, in the forward and again in the backward -- 8 all-reduces, nothing else.
     Eager attention's 4-D ``matmul`` merges the split heads into its batch dim: a blocked split,
     kept through ``bmm`` and the view back, so the heads stay where they are."""
-    run = train_side_by_side("llama", p1, gt.nn.llama_plan(make_model("llama", attn), 4), B, attn)
+    run = train_hf_side_by_side("llama", p1, gt.nn.llama_plan(make_model("llama", attn), 4), B, attn)
     assert [(r.op, r.bytes) for r in run.records] == megatron_collectives(tp=4)
 
 
@@ -31,7 +31,7 @@ def test_eager_attention_trains_like_one_device(world4, kind):
     model = make_model("llama", "eager")
     plan = {"tp": gt.nn.llama_plan(model, 4), "dp": {}, "2x2": gt.nn.llama_plan(model, 2, axis=1, ndim=2)}[kind]
     batch = {"tp": B, "dp": S(0), "2x2": (S(0), B)}[kind]
-    train_side_by_side("llama", p, plan, batch, "eager")
+    train_hf_side_by_side("llama", p, plan, batch, "eager")
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -39,7 +39,7 @@ def test_hybrid_step_is_megatron_plus_one_gradient_all_reduce_over_the_data_axis
     """2x2: tensor parallel on axis 1 (Megatron's all-reduces, in each data group), data parallel on
     axis 0 (each parameter's piece all-reduced once over it)."""
     model = make_model("llama", attn)
-    run = train_side_by_side("llama", p2, gt.nn.llama_plan(model, 2, axis=1, ndim=2), (S(0), B), attn)
+    run = train_hf_side_by_side("llama", p2, gt.nn.llama_plan(model, 2, axis=1, ndim=2), (S(0), B), attn)
     megatron = megatron_collectives(tp=2, dp=2)
     ideal_bytes = sum(b for _, b in megatron) // 2 + gradient_all_reduce_bytes(run.model, axis=0)
     ideal_count = len(megatron) + 2 * len(list(run.model.parameters()))     # per parameter, one per data group
@@ -53,8 +53,8 @@ def test_grouped_query_heads_fewer_than_ranks_are_not_cut(p1):
     plan = gt.nn.llama_plan(model, 4)
     assert "*.self_attn.q_proj.weight" in plan and "*.self_attn.k_proj.weight" not in plan
     assert plan == {k: v for k, v in gt.nn.llama_plan(model.config, 4).items()}
-    train_side_by_side("llama", p1, plan, B, "sdpa", kv_heads=2)
-    train_side_by_side("llama", p1, plan, B, "eager", kv_heads=2)
+    train_hf_side_by_side("llama", p1, plan, B, "sdpa", kv_heads=2)
+    train_hf_side_by_side("llama", p1, plan, B, "eager", kv_heads=2)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -64,7 +64,7 @@ def test_sequence_split_with_fewer_kv_heads_than_ranks_equals_one_device(p1, att
     attention is ring attention: k and v blocks pass between ranks (send_recv) and no activation is
     gathered -- the collectives are the blocks, the gradients' all-reduce and the loss's scalar.
     Eager attention is matmul, softmax, matmul to the dispatcher: its batched matmuls gather k and v."""
-    run = train_side_by_side("llama", p1, {}, S(1), attn, kv_heads=2, shape=(2, 32), shifted=True)
+    run = train_hf_side_by_side("llama", p1, {}, S(1), attn, kv_heads=2, shape=(2, 32), shifted=True)
     if attn == "sdpa":
         assert {r.op for r in run.records} == {"send_recv", "all_reduce"}, [(r.op, r.bytes) for r in run.records]
         reduced = sorted(r.bytes for r in run.records if r.op == "all_reduce")
@@ -80,7 +80,7 @@ def test_grouped_query_attention_keeps_the_head_split(p1):
     [8, 2, 16, 16] activation gradients where they meet RoPE's and v_proj's backward: 13 collectives
     against 12, benchmarks/models.py's llama-gqa row), and one gradient bucket."""
     model = make_model("llama", "sdpa", kv_heads=2)
-    run = train_side_by_side("llama", p1, gt.nn.llama_plan(model, 4), B, "sdpa", kv_heads=2)
+    run = train_hf_side_by_side("llama", p1, gt.nn.llama_plan(model, 4), B, "sdpa", kv_heads=2)
     assert {r.op for r in run.records} == {"all_reduce"}, [(r.op, r.bytes) for r in run.records]
     assert len(run.records) <= len(megatron_collectives(tp=4)) + 2 * 2 + 1, [(r.op, r.bytes) for r in run.records]
 

@@ -3,7 +3,7 @@ import pytest
 
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, split as S
-from models_helpers import BATCH, HIDDEN, LAYERS, SEQ, make_model, train_side_by_side
+from models_helpers import BATCH, HIDDEN, LAYERS, SEQ, make_model, train_hf_side_by_side
 
 
 def test_megatron_plan_without_biases_is_strict_clean(p1):
@@ -42,7 +42,7 @@ def test_sequence_parallel_plans_send_megatron_sps_collectives(p2, kind):
     from the whole activation gradient, cheaper than reducing the table."""
     model = make_model(kind, "sdpa")
     plan = getattr(gt.nn, f"{kind}_plan")(model, 2, axis=1, ndim=2, sequence_parallel=True)
-    run = train_side_by_side(kind, p2, plan, (S(0), B), "sdpa", shifted=True)
+    run = train_hf_side_by_side(kind, p2, plan, (S(0), B), "sdpa", shifted=True)
     share = BATCH // 2 * SEQ * HIDDEN * 8 // 2                      # (tp-1)/tp of a data group's activation
     for group in [(0, 1), (2, 3)]:
         ops = [r.op for r in run.records if tuple(r.group) == group and r.bytes == share]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import globaltensor as gt
+from launched_values import logical
 import globaltensor.nn as gnn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
@@ -30,10 +31,9 @@ SHAPES = {"a": (7, 5), "b": (6, 3), "c": (5, 3), "e": (), "z": (0, 4)}
 STEPS = 3
 
 
-def logical(name):
+def value_of(name):
     """The value of tensor ``name``: float64, the same on every rank and in the test process."""
-    torch.manual_seed(sum(map(ord, name)))
-    return torch.randn(SHAPES[name], dtype=torch.float64)
+    return logical(SHAPES[name], name, torch.float64)
 
 
 def batches():
@@ -62,11 +62,11 @@ def save(path) -> dict:
     p = gt.placement("cpu", [0, 1])
     n = len(p.rank_list())
     tensors = {
-        "a": gt.distribute(logical("a"), p, S(0)),
-        "b": gt.distribute(logical("b"), p, B),
-        "c": gt.to_global(logical("c") / n, p, P),          # each rank's piece; halving is exact
-        "e": gt.distribute(logical("e"), p, B),
-        "z": gt.distribute(logical("z"), p, S(0)),
+        "a": gt.distribute(value_of("a"), p, S(0)),
+        "b": gt.distribute(value_of("b"), p, B),
+        "c": gt.to_global(value_of("c") / n, p, P),          # each rank's piece; halving is exact
+        "e": gt.distribute(value_of("e"), p, B),
+        "z": gt.distribute(value_of("z"), p, S(0)),
     }
     model, opt = model_and_optimizer(p, {})
     xs = batches()
@@ -106,7 +106,7 @@ def check(saved: dict, loaded: dict) -> None:
     """Every loaded tensor equals its saved logical value exactly (data movement only, float64); the
     resumed losses equal the uninterrupted run's to nn_models.TOL (the 2x2 run sums in another order)."""
     for key, value in loaded["tensors"].items():
-        want = logical(key.split("/")[0])
+        want = value_of(key.split("/")[0])
         got = torch.tensor(value, dtype=torch.float64).reshape(want.shape)
         assert torch.equal(got, want), f"{key}: loaded {got} != saved {want}"
     assert len(loaded["tensors"]) == 9

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import globaltensor as gt
+from launched_values import logical
 from globaltensor.interop.chunk_layout import layouts_agree, piece_box
 from globaltensor.interop.dtensor import mesh_of_placement
 
@@ -39,11 +40,6 @@ def check(ok, what):
     checks += 1
     if not ok:
         raise AssertionError(f"rank {dist.get_rank()}: {what}")
-
-
-def logical(shape):
-    torch.manual_seed(sum(shape))
-    return torch.randn(shape, dtype=torch.float64)
 
 
 def block(x, placement, nd, style):
@@ -61,7 +57,7 @@ def dtensor_placements(nd):
 
 
 def round_trip(placement, nd, shape):
-    x_full = logical(shape)
+    x_full = logical(shape, dtype=torch.float64)
     tag = f"{placement} {nd} {shape}"
     # partial axes: one rank of each holds the value, the others zeros (B boxed to P)
     x = gt.distribute(x_full, placement, tuple(B if v.is_partial else v for v in nd)).to_global(sbp=nd)
@@ -91,9 +87,9 @@ def given_mesh(placement):
     """``to_dtensor(mesh=)`` uses the user's mesh, and a mesh of other ranks is refused naming both."""
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", placement.ranks.tolist())
-    x = gt.distribute(logical((6, 5)), placement, S(0))
+    x = gt.distribute(logical((6, 5), dtype=torch.float64), placement, S(0))
     check(x.to_dtensor(mesh=mesh).device_mesh is mesh, "to_dtensor(mesh=) uses that mesh")
-    other = gt.distribute(logical((6, 5)), gt.placement("cpu", [0]), B)
+    other = gt.distribute(logical((6, 5), dtype=torch.float64), gt.placement("cpu", [0]), B)
     try:
         other.to_dtensor(mesh=mesh)
         check(False, "a mesh of other ranks is accepted")
@@ -103,7 +99,7 @@ def given_mesh(placement):
 
 def gradients(placement):
     """Uneven S(0) both ways: the gradient moves back through both repartitions."""
-    x = gt.distribute(logical((6, 5)), placement, S(0)).requires_grad_()
+    x = gt.distribute(logical((6, 5), dtype=torch.float64), placement, S(0)).requires_grad_()
     weight = torch.arange(30.0, dtype=torch.float64).reshape(6, 5)
     (gt.from_dtensor(x.to_dtensor() * 2) * weight).sum().backward()
     check(torch.equal(x.grad.full_tensor(), 2 * weight), "gradient through to_dtensor and from_dtensor")
@@ -144,7 +140,7 @@ def module_takeover(placement):
 def checkpoints_across_libraries(placement, path):
     """DCP writes both libraries' pieces by offset: a DTensor checkpoint (chunk-style offsets) loads
     into global tensors (balanced) and the other way round."""
-    x_full = logical((6, 5))
+    x_full = logical((6, 5), dtype=torch.float64)
     mesh = mesh_of_placement(placement)
     dcp.save({"w": distribute_tensor(x_full, mesh, [Shard(0)])}, checkpoint_id=f"{path}/from_dtensor")
     g = gt.zeros(6, 5, dtype=torch.float64, placement=placement, sbp=S(1))

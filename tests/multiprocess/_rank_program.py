@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
+from launched_values import logical
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 SBPS = {"S0": S(0), "S1": S(1), "B": B, "P": P}
@@ -33,12 +34,6 @@ def emit(section, **fields):
 
 def balanced(n, k):
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
-
-
-def logical(shape, salt):
-    """A float tensor, the same on every rank and in the test process."""
-    torch.manual_seed(1000 + salt)
-    return torch.randn(*shape)
 
 
 def placements(n):

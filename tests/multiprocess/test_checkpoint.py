@@ -48,6 +48,6 @@ def test_save_on_2_processes_load_on_4_in_other_layouts(launch, tmp_path):
     dcp_to_torch_save(path, tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     for name in program.SHAPES:
-        assert torch.equal(full["tensors"][name], program.logical(name)), name
+        assert torch.equal(full["tensors"][name], program.value_of(name)), name
     single = program.net().double()
     single.load_state_dict(full["model"])

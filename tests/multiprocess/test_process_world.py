@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import globaltensor as gt
+from launched_values import logical
 
 PROGRAM = Path(__file__).with_name("_rank_program.py")
 RECORD = re.compile(r"^\[rank (\d+)\] GT (.*)$")
@@ -55,11 +55,6 @@ SBPS = {"S0": gt.sbp.split(0), "S1": gt.sbp.split(1), "B": gt.sbp.broadcast, "P"
 SHAPES = [(8, 6), (7, 5), (3, 1)]
 RANDOM_SHAPES = [(7, 5), (3, 1)]
 SEED = 1234
-
-
-def logical(shape, salt):
-    torch.manual_seed(1000 + salt)
-    return torch.randn(*shape)
 
 
 def check_job_succeeded(job):

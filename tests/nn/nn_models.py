@@ -59,7 +59,7 @@ MEGATRON_2D = gnn.megatron_plan(column=["*.up"], row=["*.down"], axis=1, ndim=2)
 TOL = dict(rtol=1e-9, atol=1e-9)
 
 
-def train_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps: int) -> None:
+def train_net_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps: int) -> None:
     """``steps`` optimizer steps of the float64 net ``ref`` on plain inputs and of the float64 net ``m``
     on the same inputs as global tensors (``batch_sbp`` on ``placement``); every step's loss must agree."""
     gen = torch.Generator().manual_seed(0)

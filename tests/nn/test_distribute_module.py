@@ -10,7 +10,7 @@ from torch import nn
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_1D, MEGATRON_2D, TOL, net, train_side_by_side
+from nn_models import MEGATRON_1D, MEGATRON_2D, TOL, net, train_net_side_by_side
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
@@ -210,7 +210,7 @@ def test_optimizers_work_unchanged(world4, name, foreach, layout):
     gnn.distribute_module(m, placement, plan)
     opt_ref = cls(ref.parameters(), foreach=foreach, **kw)
     opt = cls(m.parameters(), foreach=foreach, **kw)
-    train_side_by_side(ref, m, opt_ref, opt, placement, batch, steps=3)
+    train_net_side_by_side(ref, m, opt_ref, opt, placement, batch, steps=3)
     for (pname, prm), want in zip(m.named_parameters(), ref.parameters()):
         assert prm.grad is None
         torch.testing.assert_close(prm.full_tensor(), want, **TOL, msg=pname)

@@ -11,7 +11,7 @@ import torch
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
-from nn_models import MEGATRON_2D, TOL, net, train_side_by_side
+from nn_models import MEGATRON_2D, TOL, net, train_net_side_by_side
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 LAYOUTS = {"data-1d": ("p1", {}, S(0)), "data-x-tensor-2x2": ("p2", MEGATRON_2D, (S(0), B))}
@@ -57,7 +57,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train_and_compare(layout, ref, m, opt_ref, opt, steps=2):
     placement, _, batch_sbp = layout
-    train_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps)
+    train_net_side_by_side(ref, m, opt_ref, opt, placement, batch_sbp, steps)
     for (name, prm), want in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(prm.full_tensor(), want, **TOL, msg=name)
 

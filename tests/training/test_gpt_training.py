@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from training_helpers import CFG, SEQ, TOL, GPT, GPTConfig, S, B, megatron, train_side_by_side
+from training_helpers import CFG, SEQ, TOL, GPT, GPTConfig, S, B, megatron, train_gpt_side_by_side
 
 SGD = (torch.optim.SGD, dict(lr=0.5, momentum=0.9))
 # eps=1e-6: the key bias's gradient is zero in exact arithmetic (softmax ignores a constant added to
@@ -27,7 +27,7 @@ def _pieces(t):
 
 def test_data_parallel(world):
     p = gt.placement("cpu", [0, 1, 2, 3])
-    run = train_side_by_side(p, {}, S(0), ADAMW_FOREACH)
+    run = train_gpt_side_by_side(p, {}, S(0), ADAMW_FOREACH)
     m = run.model
     assert all(q.sbp == (B,) for q in m.parameters())
     assert _pieces(m.blocks[0].attn.qkv.weight) == [(96, 32)] * 4
@@ -35,7 +35,7 @@ def test_data_parallel(world):
 
 def test_tensor_parallel(world):
     p = gt.placement("cpu", [0, 1, 2, 3])
-    run = train_side_by_side(p, megatron(), B, SGD)
+    run = train_gpt_side_by_side(p, megatron(), B, SGD)
     m = run.model
     assert m.blocks[0].attn.qkv.weight.sbp == (S(0),) and _pieces(m.blocks[0].attn.qkv.weight) == [(24, 32)] * 4
     assert m.blocks[1].mlp.fc1.bias.sbp == (S(0),) and _pieces(m.blocks[1].mlp.fc1.bias) == [(32,)] * 4
@@ -46,7 +46,7 @@ def test_tensor_parallel(world):
 
 def test_hybrid_2x2(world):
     p = gt.placement("cpu", [[0, 1], [2, 3]])                  # axis 0: data, axis 1: tensor
-    run = train_side_by_side(p, megatron(axis=1, ndim=2), (S(0), B), ADAMW)
+    run = train_gpt_side_by_side(p, megatron(axis=1, ndim=2), (S(0), B), ADAMW)
     m = run.model
     assert m.blocks[0].attn.qkv.weight.sbp == (B, S(0)) and _pieces(m.blocks[0].attn.qkv.weight) == [(48, 32)] * 4
     assert m.blocks[0].mlp.fc2.weight.sbp == (B, S(1)) and _pieces(m.blocks[0].mlp.fc2.weight) == [(32, 64)] * 4
@@ -55,7 +55,7 @@ def test_hybrid_2x2(world):
 def test_zero_data_parallel(world):
     """Params B on the data axis, gradients reduce-scattered to shards, AdamW's moments split 4 ways."""
     p = gt.placement("cpu", [0, 1, 2, 3])
-    run = train_side_by_side(p, {}, S(0), ADAMW, zero_axis=0)
+    run = train_gpt_side_by_side(p, {}, S(0), ADAMW, zero_axis=0)
     m, opt = run.model, run.optimizer
     for name, q in m.named_parameters():
         assert q.sbp == (B,), name
@@ -71,7 +71,7 @@ def test_zero_data_parallel(world):
 def test_zero_on_the_hybrid_data_axis(world):
     """2x2 Megatron plan, optimizer sharded over the data axis on top of the tensor axis's split."""
     p = gt.placement("cpu", [[0, 1], [2, 3]])
-    run = train_side_by_side(p, megatron(axis=1, ndim=2), (S(0), B), SGD, zero_axis=0)
+    run = train_gpt_side_by_side(p, megatron(axis=1, ndim=2), (S(0), B), SGD, zero_axis=0)
     m, opt = run.model, run.optimizer
     qkv = opt.shard_of(m.blocks[0].attn.qkv.weight)            # [96, 32]: tensor axis S(0), data axis S(1)
     assert qkv.sbp == (S(1), S(0))
@@ -81,7 +81,7 @@ def test_zero_on_the_hybrid_data_axis(world):
 
 def test_tensor_parallel_with_the_explicit_masked_softmax(world):
     p = gt.placement("cpu", [0, 1, 2, 3])
-    run = train_side_by_side(p, megatron(), B, SGD, cfg=GPTConfig(attention="matmul"))
+    run = train_gpt_side_by_side(p, megatron(), B, SGD, cfg=GPTConfig(attention="matmul"))
     assert run.model.blocks[0].attn.causal.sbp == (B,)
 
 

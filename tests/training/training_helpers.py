@@ -12,6 +12,7 @@ import torch
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.tensor import GlobalTensor
+from reference_checks import check_gradients, check_parameters
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -47,7 +48,7 @@ class Run:
     ref_losses: List[float] = field(default_factory=list)
 
 
-def train_side_by_side(placement, plan, batch_sbp, optimizer: Tuple[type, dict], *, zero_axis: Optional[int] = None,
+def train_gpt_side_by_side(placement, plan, batch_sbp, optimizer: Tuple[type, dict], *, zero_axis: Optional[int] = None,
                        steps: int = 3, cfg: GPTConfig = CFG) -> Run:
     """``steps`` steps of the distributed model and of the single-device reference from the same init
     and data, in float64 (see TOL). Checks each step: the losses agree, every gradient equals the
@@ -75,29 +76,22 @@ def train_side_by_side(placement, plan, batch_sbp, optimizer: Tuple[type, dict],
         loss.backward()
         ref_loss.backward()
         if zero_axis is None:
-            _check_grads(names, model.parameters(), reference.parameters(), step)
+            check_gradients(step, ((n, p.grad, p.sbp) for n, p in zip(names, model.parameters())),
+                            reference.parameters(), TOL)
         opt.step()
         ref_opt.step()
         if zero_axis is not None:
             shards = [opt.shard_of(p) for p in model.parameters()]
-            _check_grads(names, shards, reference.parameters(), step)
+            check_gradients(step, ((n, s.grad, s.sbp) for n, s in zip(names, shards)), reference.parameters(), TOL)
             for name, p, s in zip(names, model.parameters(), shards):     # and read as the shards hold them
                 assert p.grad.sbp == s.sbp, f"step {step}: {name}.grad has sbp {p.grad.sbp}, shard {s.sbp}"
         opt.zero_grad()
         ref_opt.zero_grad()
         run.losses.append(loss.item())
         run.ref_losses.append(ref_loss.item())
-    for name, p, q in zip(names, model.parameters(), reference.parameters()):
-        assert p.placement == placement
-        torch.testing.assert_close(p.full_tensor(), q.detach(), **TOL, msg=lambda m: f"parameter {name}: {m}")
+    assert all(p.placement == placement for p in model.parameters())
+    check_parameters(names, model.parameters(), reference.parameters(), TOL, f"after {steps} steps")
     assert run.losses[-1] < run.losses[0], f"the model did not train: losses {run.losses}"
     return run
 
-
-def _check_grads(names, params, ref_params, step) -> None:
-    for name, p, q in zip(names, params, ref_params):
-        g = p.grad
-        assert isinstance(g, GlobalTensor), f"step {step}: {name} has no global gradient ({type(g).__name__})"
-        assert g.sbp == p.sbp, f"step {step}: {name}.grad has sbp {g.sbp}, its parameter {p.sbp}"
-        torch.testing.assert_close(g.full_tensor(), q.grad, **TOL, msg=lambda m: f"step {step}: gradient of {name}: {m}")
 
