@@ -176,9 +176,24 @@ def models_table() -> str:
     return "\n".join(out)
 
 
+def peer_plans() -> str:
+    """docs/howto.md's comparison with DTensor: benchmarks/peer_plans.py's bytes, DTensor's
+    ``parallelize_module`` and ``gt.nn.distribute_module`` given the same styles on HF Llama, 2 gloo
+    processes (a step's bytes are exact; the run also checks the two sides' losses agree)."""
+    import _harness
+    import peer_plans as bench
+    out = ["| plan | DTensor bytes | collectives | globaltensor bytes | collectives | gt / DTensor |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for plan, r in _harness.spawn(bench._worker, 2, timeout=300).items():
+        out.append(f"| {plan} | {r['dt_bytes']:,} | {len(r['dt_ops'])} | {r['gt_bytes']:,} | {len(r['gt_ops'])} | "
+                   f"{r['gt_bytes'] / r['dt_bytes']:.2f}x |")
+    return "\n".join(out)
+
+
 REGIONS: Dict[str, Tuple[Path, Callable[[], str]]] = {
     "style-bytes": (HOWTO, style_bytes),
     "explain": (HOWTO, explain),
+    "peer-plans": (HOWTO, peer_plans),
     "profile-table": (PROFILING, profile_table),
     "profile-tree": (PROFILING, profile_tree),
     "profile-event": (PROFILING, profile_event),
