@@ -233,6 +233,18 @@ def _compiled(fn, *args, **options):
     return g
 
 
+def _four_stages_two_micro_batches():
+    """A 4-stage pipeline (a weight per rank, the activation handed on) under 1F1B with 2 micro-batches."""
+    stages = [gt.placement("cpu", [r]) for r in range(4)]
+    ws = [gt.randn(4, 4, placement=p, sbp=B).requires_grad_() for p in stages]
+
+    def step(x):
+        for p, w in zip(stages, ws):
+            x = x.to_global(placement=p, sbp=B) @ w
+        x.sum().backward()
+    _compiled(step, gt.randn(8, 4, placement=stages[0], sbp=B), micro_batches=2, schedule="1f1b")
+
+
 def _cuda_graphs_where(gpu: bool, graphs: bool = True):
     """A compiled CPU step with ``cuda_graphs=True`` as torch would be with or without a GPU, and with
     or without CUDA graph support."""
@@ -517,6 +529,8 @@ CASES = {
     "compile-micro-batches-without-backward": lambda: _compiled(lambda x: x * 2, gt.randn(8, 4, placement=p4(),
                                                                                             sbp=S(0)),
                                                                 micro_batches=2),
+    "compile-schedule-name": lambda: gt.compile(lambda x: x, micro_batches=8, schedule="1F1B"),
+    "compile-schedule": _four_stages_two_micro_batches,
     "capture-host-read": lambda: _compiled(lambda x: x * x.sum().item(), x84()),
     "capture-data-dependent": lambda: _compiled(lambda x: torch.nonzero(x.to_global(sbp=B)), x84()),
     "graph-error": _graph_error,

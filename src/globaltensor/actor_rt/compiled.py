@@ -36,6 +36,7 @@ from .lower import lower
 from .program import Program
 from .optim import capturable_optimizers, hyper_parameters, live_keys
 from .runtime import Runtime
+from .schedules import SCHEDULES
 from .segments import plan_segments
 
 
@@ -147,7 +148,7 @@ class CompiledFunction:
     def __init__(self, fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1,
                  bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,
                  measure_memory: bool = False, streams: Union[None, str, Callable] = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, schedule: str = "gpipe"):
         if not callable(fn):
             raise TypeError(f"gt.compile: expected a function or an nn.Module, got {type(fn).__name__}")
         if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -157,6 +158,8 @@ class CompiledFunction:
             raise ValueError(f"gt.compile(registers=): expected a register count >= 1, got {registers!r}")
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"gt.compile(warmup=): expected a non-negative int, got {warmup!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"gt.compile(schedule=): expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"gt.compile(cuda_graphs=): expected True or False, got {cuda_graphs!r}")
         GradBuckets(bucket_bytes)           # validates
@@ -166,7 +169,7 @@ class CompiledFunction:
         self.fn, self.registers, self.micro_batches = fn, registers, micro_batches
         self.bucket_bytes, self.warmup = bucket_bytes, warmup
         self.timeline, self.measure_memory, self.streams = timeline, measure_memory, streams
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.schedule = cuda_graphs, schedule
         self._graphs: dict = {}
         self._unfed: set = set()            # keys of float arguments found read other than by a clipping
         self._warm: dict = {}
@@ -316,7 +319,8 @@ class CompiledFunction:
                 buckets.close()
         world = get_world()
         program = lower(cap, micro_batches=m, registers=self.registers,
-                        collective_rank=None if world.simulated else world.rank, streams=self.streams)
+                        collective_rank=None if world.simulated else world.rank, streams=self.streams,
+                        schedule=self.schedule)
         backend = None
         if self.cuda_graphs:
             backend = graph_backend()
@@ -368,11 +372,17 @@ class CompiledFunction:
         """The most bytes the registers held at once (measured with ``measure_memory=True``)."""
         return self._graph().runtime.peak_bytes
 
+    @property
+    def peak_register_bytes_by_rank(self) -> dict:
+        """Per rank, the most bytes its tasks' registers held at once (``measure_memory=True``): a
+        pipeline stage's activations in flight."""
+        return dict(self._graph().runtime.peak_bytes_by_rank)
+
 
 def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
             bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,
             measure_memory: bool = False, streams: Union[None, str, Callable] = None,
-            cuda_graphs: bool = False) -> CompiledFunction:
+            cuda_graphs: bool = False, schedule: str = "gpipe") -> CompiledFunction:
     """Capture ``fn`` (a function or an ``nn.Module``) into a static graph run by the actor runtime.
 
     ``registers``: output slots per task (an int, or a function of a task giving its count): how
@@ -386,6 +396,9 @@ def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: in
     a simulated one -- one stream on the CPU, run on the caller's thread). ``cuda_graphs``: replay
     each capturable run of a CUDA stream's tasks from a CUDA graph, captured per register slot
     (cuda_graphs.py; ``g.plan.segments`` says which runs, and why not the others); a GPU only.
+    ``schedule``: with micro-batches over pipeline stages, the order of their forwards and backwards
+    -- ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"`` (schedules.py): each stage
+    holds at most the micro-batches its schedule allows, enforced by the runtime's dependencies.
     """
     return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory, streams,
-                            cuda_graphs)
+                            cuda_graphs, schedule)

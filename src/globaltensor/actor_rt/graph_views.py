@@ -21,6 +21,9 @@ class PlanView:
         self.registers = {t.name: t.registers for t in program.tasks}
         self.memory_bound = program.memory_bound
         self.micro_batches = program.micro_batches
+        #: the pipeline schedule, and (other than gpipe) its stages and bounds
+        self.schedule = program.schedule
+        self.pipeline = program.pipeline
         #: each compute stream's runs of tasks a CUDA graph could replay, and why the others cannot
         self.segments = plan_segments(program, device_type, PART)
 
@@ -29,6 +32,10 @@ class PlanView:
         lines = [f"Plan: {len(self.tasks)} tasks on {len(self.streams)} streams "
                  f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), micro_batches={self.micro_batches}, "
                  f"registers' memory bound {self.memory_bound} bytes"]
+        if self.pipeline:
+            lines.append(f"  schedule: {self.pipeline}")
+        elif self.micro_batches > 1:
+            lines.append(f"  schedule: {self.schedule}")
         for name, tasks in self.streams.items():
             shown = ", ".join(tasks[:6]) + (f", ... ({len(tasks)} in all)" if len(tasks) > 6 else "")
             lines.append(f"  {name}: {shown}")

@@ -29,10 +29,12 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from torch.utils._pytree import tree_unflatten
 
 from .capture import EFFECTS
-from .fuse_views import fuse_views, without_dead_views
+from .fuse_views import fuse_views, is_layout_view, without_dead_views
 from .graph import Captured, Node
 from .order import communication_first
+from .pipeline_units import PipelineLayout, cannot_schedule, layout as pipeline_layout, split_weight_gradients
 from .program import CompileError, Program, TaskSpec
+from .schedules import in_flight, sequences, splits_weight_gradients, timeline
 
 
 def _live(cap: Captured) -> set:
@@ -66,14 +68,19 @@ def _live(cap: Captured) -> set:
     return live
 
 
+def _last_backward(cap: Captured, what: str) -> int:
+    last = max((n.segment for n in cap.nodes if n.backward), default=None)
+    if last is None:
+        raise CompileError(f"gt.compile({what}): the function runs no backward; micro-batches and pipeline "
+                           f"schedules split a training step (forward, backward, update)")
+    return last
+
+
 def _per_micro_batch(cap: Captured, live: set, m: int) -> Dict[int, bool]:
     if m == 1:
         return {i: True for i in live}
     nodes, values = cap.nodes, cap.values
-    last_backward = max((n.segment for n in nodes if n.backward), default=None)
-    if last_backward is None:
-        raise CompileError("gt.compile(micro_batches=m): the function runs no backward; micro-batches "
-                           "split a training step (forward, backward, update)")
+    last_backward = _last_backward(cap, "micro_batches=m")
     per_mb, forward_derived = {}, {}
     for i in sorted(live):
         n = nodes[i]
@@ -87,9 +94,103 @@ def _per_micro_batch(cap: Captured, live: set, m: int) -> Dict[int, bool]:
     return per_mb
 
 
+class _Schedule:
+    """A pipeline schedule over the step's stages: each per-micro-batch op's unit, and the units'
+    starts (schedules.py), which order the tasks."""
+
+    def __init__(self, name: str, cap: Captured, live: set, per_mb: Dict[int, bool], m: int, rank_of):
+        self.name, self.m = name, m
+        last_backward = _last_backward(cap, f"schedule={name!r}")
+        nodes = [i for i in sorted(live) if per_mb[i]]
+        self.layout: PipelineLayout = pipeline_layout(cap, nodes, last_backward, rank_of, name)
+        self.split = splits_weight_gradients(name)
+        if self.split:
+            split_weight_gradients(cap, self.layout, nodes)
+        p, chunks = len(self.layout.stages), self.layout.chunks
+        _check_schedule(name, p, chunks, m)
+        self.sequences = sequences(name, p, chunks // p, m)
+        self.start = timeline(self.sequences, chunks, self.split)
+        self.stage_of_rank = {r: s for s, ranks in enumerate(self.layout.stages) for r in ranks}
+        self.unit_tasks: Dict[tuple, List[int]] = {}
+
+    def unit(self, node: int, mb: int) -> tuple:
+        kind, chunk = self.layout.unit_of.get(node, ("F", None))
+        if chunk is None:                        # reads and feeds nothing: with the micro-batch's first unit
+            return ("F", 0, mb)
+        return (kind, chunk, mb)
+
+    def key(self, node: int, mb: int, offset: float = 0.0) -> tuple:
+        kind, chunk, _ = self.unit(node, mb)
+        if kind == "P":                          # after the chunk's backward
+            release = ("W" if self.split else "B", chunk, mb)
+            return (0, self.start[release], chunk % len(self.layout.stages), 3, mb, node + offset)
+        return (0, self.start[(kind, chunk, mb)], chunk % len(self.layout.stages), "FBW".index(kind), mb,
+                node + offset)
+
+    def credits(self, tasks: List[TaskSpec], position: Dict[int, int]) -> None:
+        """Each stage's bound K on the micro-batches it holds, as credits: its i-th forward waits for
+        the (i - K)-th unit that gives one back -- a backward, or a weight gradient when split."""
+        release = "W" if self.split else "B"
+        for seq in self.sequences:
+            bound = in_flight(seq, self.split)
+            forwards = [u for u in seq if u[0] == "F"]
+            releases = [u for u in seq if u[0] == release]
+            for i in range(bound, len(forwards)):
+                _, chunk, mb = releases[i - bound]
+                freed = self.unit_tasks.get((release, chunk, mb), []) + \
+                    (self.unit_tasks.get(("B", chunk, mb), []) if self.split else [])
+                _credit(tasks, self.unit_tasks.get(forwards[i], []), freed, position)
+
+
+    def describe(self) -> str:
+        stages = ", ".join(str(list(r)) for r in self.layout.stages)
+        bounds = [in_flight(q, self.split) for q in self.sequences]
+        return (f"{self.name} over {len(self.layout.stages)} stages ({stages}), {self.layout.chunks} chunks, "
+                f"{self.m} micro-batches; micro-batches held per stage at most {bounds}")
+
+
+def _unit_ends(tasks: List[TaskSpec], order: List[int]) -> Dict[int, int]:
+    """Task id -> the position of the last task of its pipeline unit: how far communication_first
+    may postpone it without moving work into another unit."""
+    position = {tid: p for p, tid in enumerate(order)}
+    end: Dict[tuple, int] = {}
+    for t in tasks:
+        if t.unit is not None:
+            end[t.unit] = max(end.get(t.unit, -1), position[t.id])
+    return {t.id: end[t.unit] for t in tasks if t.unit is not None}
+
+
+def _check_schedule(name: str, p: int, chunks: int, m: int) -> None:
+    if name in ("1f1b", "zero_bubble") and chunks != p:
+        cannot_schedule(name, f"the model runs {chunks} chunks on {p} stages, and {name} takes one chunk per stage "
+                              f"(schedule='interleaved_1f1b' for chunks that take the stages in turn)")
+    if m < p:
+        cannot_schedule(name, f"{m} micro-batches for {p} stages; it needs at least as many micro-batches as stages")
+    if name == "interleaved_1f1b" and m % p:
+        cannot_schedule(name, f"{m} micro-batches on {p} stages; it runs the micro-batches in rounds of {p}, so "
+                              f"their number must be a multiple of {p}")
+
+
+def _credit(tasks: List[TaskSpec], waiting: List[int], freed: List[int], position: Dict[int, int]) -> None:
+    """Per rank: every task of ``waiting`` that computes (not a view) waits for the last computing
+    task of ``freed`` on each of the rank's streams."""
+    last: Dict[tuple, int] = {}
+    for i in freed:
+        t = tasks[i]
+        if not is_layout_view(t.node):
+            key = (t.rank, t.stream)
+            if key not in last or position[i] > position[last[key]]:
+                last[key] = i
+    for i in waiting:
+        t = tasks[i]
+        if not is_layout_view(t.node):
+            t.deps.extend((j, 0) for (rank, _), j in last.items() if rank == t.rank)
+
+
 class _Builder:
     def __init__(self, cap: Captured, m: int, host_rank: int, collective_rank: Optional[int]):
         self.cap, self.m = cap, m
+        self.schedule: Optional[_Schedule] = None
         self.host_rank, self.collective_rank = host_rank, collective_rank
         self.tasks: List[TaskSpec] = []
         self.instance: Dict[Tuple[int, Optional[int]], int] = {}
@@ -143,8 +244,9 @@ class _Builder:
         for j in range(1, self.m):
             t = TaskSpec(len(self.tasks), f"fold{j}/{self.m}({n.name}.{v.out})", None, None, rank,
                          f"r{rank}:compute", [previous, ("task", self.instance[(v.node, j)], v.out)],
-                         nbytes=v.nbytes, device=n.device, fold=(j, self.m))
-            self.add(t, (n.segment, j, n.index + 0.5))
+                         nbytes=v.nbytes, device=n.device, fold=(j, self.m),
+                         unit=self.tasks[self.instance[(v.node, j)]].unit)
+            self.add(t, self.schedule.key(v.node, j, 0.5) if self.schedule else (n.segment, j, n.index + 0.5))
             self.late.add(t.id)
             previous = ("task", t.id, 0)
         self.acc[vid] = previous[1]
@@ -154,9 +256,13 @@ class _Builder:
         self.tasks.append(t)
         self.keys.append(key)
 
-    def build(self, live: set) -> None:
+    def build(self, live: set, schedule: str) -> None:
         cap, m = self.cap, self.m
+        if schedule != "gpipe" and m == 1:
+            _last_backward(cap, f"schedule={schedule!r}")
         self.per_mb = _per_micro_batch(cap, live, m)
+        if schedule != "gpipe":
+            self.schedule = _Schedule(schedule, cap, live, self.per_mb, m, self.rank_of)
         for i in sorted(live):
             n = cap.nodes[i]
             rank = self.rank_of(n)
@@ -165,12 +271,22 @@ class _Builder:
                 late = mb is None and any(x[0] == "task" and (self.tasks[x[1]].mb is not None or x[1] in self.late)
                                           for x in inputs)
                 name = n.name + (f"#mb{mb}" if m > 1 and mb is not None else "")
+                unit = self.schedule.unit(i, mb) if self.schedule and mb is not None else None
+                if unit is not None:
+                    name += f" [{unit[0]}{unit[1]}]"
                 t = TaskSpec(len(self.tasks), name, n, mb, rank, f"r{rank}:{n.stream}", inputs,
-                             nbytes=sum(cap.values[o].nbytes for o in n.outs), device=n.device)
+                             nbytes=sum(cap.values[o].nbytes for o in n.outs), device=n.device, unit=unit)
                 self.instance[(i, mb)] = t.id
                 if late:
                     self.late.add(t.id)
-                self.add(t, (n.segment, mb if mb is not None else (m - 1 if late else 0), i))
+                if unit is not None:
+                    self.schedule.unit_tasks.setdefault(unit, []).append(t.id)
+                    key = self.schedule.key(i, mb)
+                elif self.schedule is not None:          # once per call: after every unit
+                    key = (1, n.segment, m - 1 if late else 0, i)
+                else:
+                    key = (n.segment, mb if mb is not None else (m - 1 if late else 0), i)
+                self.add(t, key)
 
 
 def _assign_ranks(cap: Captured, live: set, host_rank: int) -> None:
@@ -278,8 +394,13 @@ def _device_stream(t: TaskSpec, merged: bool) -> str:
 
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
-          collective_rank: Optional[int] = None, streams: Union[None, str, Callable] = None) -> Program:
+          collective_rank: Optional[int] = None, streams: Union[None, str, Callable] = None,
+          schedule: str = "gpipe") -> Program:
     """The task graph of ``cap`` for the ranks this process holds.
+
+    ``schedule``: the order of the micro-batches' forwards and backwards over the pipeline's stages
+    (schedules.py); other than ``"gpipe"``, each stage's bound on the micro-batches it holds is
+    enforced by dependencies, whatever the streams.
 
     ``streams`` chooses the stream of each task:
 
@@ -300,7 +421,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     live = _live(cap)
     _assign_ranks(cap, live, cap.held_ranks[0])
     b = _Builder(cap, micro_batches, cap.held_ranks[0], collective_rank)
-    b.build(live)
+    b.build(live, schedule)
     outputs = []
     for o in cap.outputs:
         refs = {r: b.resolve(v, None) for r, v in o.refs.items()}
@@ -314,8 +435,9 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     for t in tasks:
         for x in t.inputs:
             if x[0] == "task" and position[x[1]] >= position[t.id]:
-                raise CompileError(f"gt.compile: task {t.name} needs {tasks[x[1]].name}, which the micro-batch "
-                                   f"schedule puts after it (a per-micro-batch op reads the mean over micro-batches)")
+                raise CompileError(f"gt.compile(schedule={schedule!r}): task {t.name} needs {tasks[x[1]].name}, which "
+                                   f"the schedule puts after it (a per-micro-batch op reads the mean over "
+                                   f"micro-batches, or a value of a later unit)")
     external = {v.storage for v in cap.values.values() if v.kind in ("state", "arg") and v.storage is not None}
     creator = {}
     per_mb = b.per_mb
@@ -323,6 +445,8 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
         if v.kind == "node" and v.storage is not None and v.storage not in creator and v.storage not in external:
             creator[v.storage] = (v.node, per_mb.get(v.node, False) and micro_batches > 1)
     _ordering(tasks, order, external, creator)
+    if b.schedule is not None:
+        b.schedule.credits(tasks, position)
     fuse_views(tasks, cap.values)
     needed = {x[1] for _, refs in outputs for x in refs.values() if x[0] == "task"} | \
         {x[1] for _, _, x in rebinds if x[0] == "task"} | \
@@ -349,9 +473,9 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     if streams is None and collective_rank is not None:
         for tid in _inline_sends(tasks, collective_rank):
             tasks[tid].stream = f"r{collective_rank}:compute"
-    order = communication_first(tasks, order)
+    order = communication_first(tasks, order, _unit_ends(tasks, order) if b.schedule is not None else None)
     streams: Dict[str, List[int]] = {}
     for tid in order:
         streams.setdefault(tasks[tid].stream, []).append(tid)
     return Program(tasks, streams, outputs, rebinds, grad_rebinds, sorted(b.feeds, key=repr), b.feeds,
-                   micro_batches)
+                   micro_batches, schedule, b.schedule.describe() if b.schedule else "")

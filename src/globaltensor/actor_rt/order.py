@@ -3,7 +3,7 @@ builds the order; every stream's static order is this order restricted to the st
 from __future__ import annotations
 
 import heapq
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -11,7 +11,7 @@ from ..ops.schema.op_record import record
 from .program import CompileError, TaskSpec
 
 
-def communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
+def communication_first(tasks: List[TaskSpec], order: List[int], bounds: Optional[Dict[int, int]] = None) -> List[int]:
     """The reference order reworked so that what follows a collective waits until it is needed.
 
     In capture order, the ops that consume a collective's result come right after it (the
@@ -23,7 +23,8 @@ def communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
     next collective first, postpones the rest, and among what nothing waits for (an optimizer's
     updates) takes first what the earliest collectives made ready: the parameters of the first
     gradient bucket are updated while the last bucket is still being reduced. Collectives keep
-    their positions, so every rank still issues them in capture order.
+    their positions, so every rank still issues them in capture order. ``bounds``: task id -> the
+    latest position it may be postponed to (a pipeline schedule's units keep their order).
     """
     pos = {tid: p for p, tid in enumerate(order)}
     succ: Dict[int, List[int]] = {tid: [] for tid in order}
@@ -47,6 +48,8 @@ def communication_first(tasks: List[TaskSpec], order: List[int]) -> List[int]:
             deadline[tid] = min((deadline[c] for c in succ[tid]), default=float("inf"))
         else:
             deadline[tid] = pos[tid]
+        if bounds is not None and tid in bounds:
+            deadline[tid] = min(deadline[tid], bounds[tid])
     for tid in _views_feeding_collectives(tasks, order, preds, is_collective):
         deadline[tid] = -1
     gate: Dict[int, int] = {}                   # the latest collective it waits for (-1: none)

@@ -26,6 +26,7 @@ class TaskSpec:
     nbytes: int = 0                 # bytes one register of its outputs holds
     device: object = None
     fold: Optional[Tuple[int, int]] = None     # an accumulator: (micro-batch j, of m)
+    unit: Optional[tuple] = None    # its pipeline schedule's unit: (kind, chunk, micro-batch)
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Program:
     feeds: list                     # feed keys: ("arg", leaf, rank, mb) | ("keys", vid, mb) | ("number", leaf, dtype, device)
     feed_specs: dict                # feed key -> how to make it
     micro_batches: int
+    schedule: str = "gpipe"
+    pipeline: str = ""              # the schedule's stages and bounds, for the plan ("" for gpipe)
 
     @property
     def memory_bound(self) -> int:

@@ -55,9 +55,32 @@ class _Stop(Exception):
     """The graph failed elsewhere: leave the loop."""
 
 
+class Countdown:
+    """The readers of a register read across streams still to read each slot; the last one to read it
+    empties it, as a stream empties a register only its own tasks read once the last has run. Held
+    until the next iteration overwrites it instead, the per-micro-batch activations a pipeline stage
+    receives would all stay until the next call, whatever its schedule."""
+
+    __slots__ = ("task", "readers", "left", "lock")
+
+    def __init__(self, task: "Task", readers: int):
+        self.task, self.readers = task, readers
+        self.left = [0] * task.k
+        self.lock = threading.Lock()
+
+    def arm(self, slot: int) -> None:
+        self.left[slot] = self.readers
+
+    def read(self, slot: int) -> None:
+        with self.lock:
+            self.left[slot] -= 1
+            if not self.left[slot]:
+                self.task.regs[slot] = None
+
+
 class Task:
     __slots__ = ("spec", "name", "k", "regs", "done", "waits_in", "waits_credit", "notify", "sinks",
-                 "cuda_waits", "events", "cuda_consumers", "stream", "consumers")
+                 "cuda_waits", "events", "cuda_consumers", "stream", "consumers", "countdown")
 
     def __init__(self, spec: TaskSpec):
         self.spec, self.name, self.k = spec, spec.name, spec.registers
@@ -71,6 +94,7 @@ class Task:
         self.events = None             # CUDA: one event per register slot (cuda_handover.py)
         self.cuda_consumers: list = []  # the tasks of other CUDA streams reading its register
         self.consumers: list = []      # the tasks reading its register
+        self.countdown = None          # read across streams (not CUDA ones): its readers' Countdown
 
 
 class Stream:
@@ -109,6 +133,7 @@ class Runtime:
         self.timeline: list = []
         self.waits: list = []          # (stream, task, iteration, start, end, "input" | "credit", on what)
         self.peak_bytes = 0
+        self.peak_bytes_by_rank: dict = {}      # rank -> the most bytes its tasks' registers held at once
         self.failed = None             # (exception, task) once a task raised: the graph is broken
         self.lock = threading.Lock()
         self.done_cond = threading.Condition()
@@ -179,6 +204,8 @@ class Runtime:
             if any(p is self.feed for p, _ in t.waits_in):
                 t.notify.append(self.feed)
             t.cuda_consumers = list(dict.fromkeys(t.cuda_consumers))
+            if t.waits_credit and not t.cuda_consumers:
+                t.countdown = Countdown(t, len(t.consumers))
             if t.cuda_consumers or t.cuda_waits:
                 t.events = t.events or [None] * t.k
         for t in tasks:
@@ -306,7 +333,7 @@ class Runtime:
     def _sample_memory(self) -> None:
         """The bytes of the storages the registers hold now, other than state (a view of a parameter
         costs the registers nothing; a view of an argument keeps the argument alive, and counts)."""
-        seen, total = set(self.external), 0
+        seen, total, by_rank = set(self.external), 0, {}
         for t in self.tasks:
             for slot in t.regs:
                 for o in slot or ():
@@ -314,8 +341,12 @@ class Runtime:
                         key = storage_key(o)
                         if key is not None and key not in seen:
                             seen.add(key)
-                            total += o.untyped_storage().nbytes()
+                            size = o.untyped_storage().nbytes()
+                            total += size
+                            by_rank[t.spec.rank] = by_rank.get(t.spec.rank, 0) + size
         self.peak_bytes = max(self.peak_bytes, total)
+        for rank, size in by_rank.items():
+            self.peak_bytes_by_rank[rank] = max(self.peak_bytes_by_rank.get(rank, 0), size)
 
     # -- a run ----------------------------------------------------------------------------
     def run(self, feeds: List[list], sink_count: int) -> List[list]:

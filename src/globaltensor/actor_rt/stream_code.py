@@ -108,13 +108,15 @@ class StreamCode:
         """consumer id -> the tasks of this stream whose register it reads last: once it has run, the
         slot holds nothing anyone needs, so it is emptied then (the memory goes back as eagerly as
         in an eager run), not when the next iteration overwrites it. Registers read from other
-        streams are kept until overwritten."""
+        streams are emptied by their last reader (runtime.Countdown); here only the local that holds
+        them goes, after the last reader on this stream. Those of CUDA streams are kept until overwritten."""
         order = {t.spec.id: i for i, t in enumerate(self.stream.tasks)}
         release: dict = {}
         for t in self.stream.tasks:
-            if t.waits_credit or t.cuda_consumers:
+            if t.cuda_consumers:
                 continue
-            last = max((c.spec.id for c in t.consumers), key=order.__getitem__, default=t.spec.id)
+            mine = [c.spec.id for c in t.consumers if c.stream is t.stream]
+            last = max(mine, key=order.__getitem__, default=t.spec.id)
             release.setdefault(last, []).append(t.spec.id)
         return release
 
@@ -227,6 +229,14 @@ class StreamCode:
         self.here.add(tid)
         if tid in stored:
             self.emit(f"T{tid}.regs[{self.slot(t.k)}] = o{tid}")
+            if t.countdown is not None:
+                self.ns[f"CD{tid}"] = t.countdown
+                self.emit(f"CD{tid}.arm({self.slot(t.k)})")
+        for p in dict.fromkeys(src[1] for src in t.spec.inputs if src[0] == "task"):
+            producer = rt.tasks[p]
+            if producer.countdown is not None:
+                self.ns[f"CD{p}"] = producer.countdown
+                self.emit(f"CD{p}.read({self.slot(producer.k)})")
         for j, slot in t.sinks:
             self.emit(f"ROW[{slot}] = o{tid}[{j}]")
         if t.events is not None:
@@ -238,7 +248,8 @@ class StreamCode:
             self.emit(f"T{tid}.done = it + 1")
         for p in release.get(tid, ()):
             local = f"o{p} = None" if part_of[p] == part_of[tid] else ""
-            register = f"T{p}.regs[{self.slot(rt.tasks[p].k)}] = " if p in stored else ""
+            register = f"T{p}.regs[{self.slot(rt.tasks[p].k)}] = " \
+                if p in stored and rt.tasks[p].countdown is None else ""
             if local or register:
                 self.emit(register + (local or "None"))
         for i, s in enumerate(t.notify):

@@ -126,6 +126,8 @@ def decide(func, args, kwargs) -> Decision:
     if r.kind == "list":
         return Decision("list", func, list_kind=r.list_kind,
                         lists=decide_list(func, r.list_kind, args, kwargs, decide))
+    if r.kind == "align":
+        return Decision("align", func, placement_to=r.placement)
     if r.kind != "rule":
         return Decision(r.kind, func, decomposition=r.decomposition)
     problem = candidates(r, func, args, kwargs, _recording())

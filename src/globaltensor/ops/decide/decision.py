@@ -36,6 +36,7 @@ class Decision:
     list_kind: Optional[str] = None     # a list op: "foreach" | "fused" | "unscale"
     lists: object = None                # a list op's plan (decide/lists.py)
     decomposition: Optional[Callable] = None
+    placement_to: object = None         # an "align" route: the placement the op runs on
     run: Optional[Callable] = field(default=None, repr=False)    # the executor's runner of it
 
     @property

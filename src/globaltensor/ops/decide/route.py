@@ -8,6 +8,8 @@ its arguments -- before any candidate signature is looked at.
 - ``decompose``: no rule, but a decomposition into ops that are dispatched again;
 - ``fallback``: no rule and no decomposition, a tensor nested deeper than one list, an output
   whose meta cannot be computed or is not tensors: gathered to broadcast (fallback.py);
+- ``align``: global inputs on several placements, all but one placement's 0-dim: those brought
+  to it, and the op dispatched again (align_placements.py);
 - ``rule``: the op's SBP rule chooses a signature (decide/candidates.py, decide/cost.py).
 
 A ``rule`` route carries what the later stages need: the rule, where the tensors sit, the
@@ -23,6 +25,7 @@ from torch._decomp import decomposition_table
 
 from ...placement import Placement
 from ...tensor import GlobalTensor
+from ..align_placements import aligned_placement
 from ..fallback import reject_other_layouts
 from ..registry import Rule, find_rule
 from ..scalar_read import SCALAR_READS
@@ -68,6 +71,9 @@ def route(func, args: tuple, kwargs: dict) -> Route:
     if positions is None:
         return Route("fallback", func)
     tensors = [get(args, kwargs, p) for p in positions]
+    target = aligned_placement(func, tensors)
+    if target is not None:
+        return Route("align", func, placement=target)
     reject_other_layouts(func, tensors)
     meta_args, meta_kwargs = Substitution(positions)(args, kwargs, [_meta(t) for t in tensors])
     try:
@@ -77,7 +83,7 @@ def route(func, args: tuple, kwargs: dict) -> Route:
     out_kind = _out_kind(meta_out)
     if out_kind == "other":
         return Route("fallback", func)
-    placement = _placement_of(func, tensors)
+    placement = _placement_of(tensors)
     if rule.out_meta is not None:
         meta_out = rule.out_meta(meta_out, placement.type, *meta_args, **meta_kwargs)
     return Route("rule", func, rule=rule, positions=positions, tensors=tensors, meta_args=tuple(meta_args),
@@ -98,16 +104,9 @@ def _out_kind(meta_out) -> str:
     return "other"
 
 
-def _placement_of(func, tensors) -> Placement:
-    placement, first = None, None
-    for i, v in enumerate(tensors):
-        if isinstance(v, GlobalTensor):
-            if placement is None:
-                placement, first = v.placement, i
-            elif v.placement != placement:
-                raise ValueError(f"{func}: all global inputs must share one placement; tensor input {first} is on "
-                                 f"{placement} but tensor input {i} is on {v.placement}")
-    return placement
+def _placement_of(tensors) -> Placement:
+    """The placement the global inputs share (aligned_placement has dealt with any other case)."""
+    return next(v.placement for v in tensors if isinstance(v, GlobalTensor))
 
 
 def _composite(func) -> Optional[Callable]:

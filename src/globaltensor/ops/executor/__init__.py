@@ -5,9 +5,9 @@ the decision is made and cached with it:
 
 - ``local``: the op or the rule's kernel on each rank's pieces (local.py);
 - ``list``: one call per group of elements (lists.py);
-- ``inplace_view``, ``scalar_read``, ``decompose``, ``fallback``, ``write_back``: the paths of
-  writes/metadata_ops.py, scalar_read.py, the decomposition dispatched again, fallback.py and
-  writes/written_inputs.py.
+- ``inplace_view``, ``scalar_read``, ``decompose``, ``fallback``, ``write_back``, ``align``: the
+  paths of writes/metadata_ops.py, scalar_read.py, the decomposition dispatched again, fallback.py,
+  writes/written_inputs.py and align_placements.py.
 
 What an op writes into a copy-view is then put back into its base, and a view op's result whose
 pieces are copies remembers how it was made (writes/copy_views.py).
@@ -19,6 +19,7 @@ from typing import Callable
 from torch.utils._pytree import tree_flatten
 
 from ..decide.decision import Decision
+from ..align_placements import run_aligned
 from ..fallback import run_fallback
 from ..scalar_read import read_scalar
 from ..writes.written_inputs import write_back
@@ -37,6 +38,7 @@ _RUNNERS = {
     "decompose": lambda d: lambda args, kwargs: run_decomposition(d.func, d.decomposition, args, kwargs),
     "fallback": lambda d: lambda args, kwargs: run_fallback(d.func, *tree_flatten((args, kwargs))),
     "write_back": lambda d: lambda args, kwargs: write_back(d.func, args, kwargs),
+    "align": lambda d: lambda args, kwargs: run_aligned(d.func, d.placement_to, args, kwargs),
 }
 
 

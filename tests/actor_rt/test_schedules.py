@@ -1,0 +1,218 @@
+"""Pipeline schedules (actor_rt/schedules.py, pipeline_units.py, lower.py): each stage's sequence of
+units is a valid execution with the bounds the schedule promises; a compiled pipeline trains as the
+full-batch step under every schedule (float64), holds the micro-batches its schedule allows, and
+says what it runs in its plan; the steps a schedule cannot run raise naming the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import globaltensor as gt
+from globaltensor.actor_rt import schedules as sch
+from globaltensor.actor_rt.program import CompileError
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+EXACT = dict(rtol=1e-12, atol=1e-14)     # float64: the same sums per micro-batch, means in another order
+
+
+# -- the schedules alone -------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(1, 12), v=st.integers(1, 3), name=st.sampled_from(sch.SCHEDULES))
+def test_every_schedule_runs_every_unit_once_in_an_order_that_can_run(p, m, v, name):
+    if name in ("1f1b", "zero_bubble"):
+        v = 1
+    if name != "gpipe" and m < p or name == "interleaved_1f1b" and m % p:
+        return
+    split = sch.splits_weight_gradients(name)
+    seqs = sch.sequences(name, p, v, m)
+    kinds = "FBW" if split else "FB"
+    for s, seq in enumerate(seqs):
+        chunks = range(s, p * v, p)
+        assert sorted(seq) == sorted((k, c, j) for k in kinds for c in chunks for j in range(m)), f"stage {s}"
+    start = sch.timeline(seqs, p * v, split)
+    assert len(start) == len(kinds) * p * v * m
+    bounds = [sch.in_flight(q, split) for q in seqs]
+    if name == "gpipe":
+        assert bounds == [m * v] * p
+    elif name in ("1f1b", "zero_bubble"):
+        assert bounds == [min(p - s, m) for s in range(p)]
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16)])
+def test_the_bubbles_are_the_schedules(p, m):
+    """At unit durations: GPipe's and 1F1B's bubble is (p - 1) / (m + p - 1); zero bubble's is less;
+    interleaving 2 chunks per stage less again."""
+    def bubble(name, v=1):
+        return sch.bubble(sch.sequences(name, p, v, m), p * v, sch.splits_weight_gradients(name))
+    ideal = (p - 1) / (m + p - 1)
+    assert bubble("gpipe") == pytest.approx(ideal) and bubble("1f1b") == pytest.approx(ideal)
+    assert bubble("zero_bubble") < ideal
+    assert bubble("interleaved_1f1b", v=2) < ideal
+
+
+# -- compiled pipelines --------------------------------------------------------------------------
+def chain(placements, chunks: int, width: int = 6, seed: int = 0):
+    """``chunks`` linear + tanh layers, chunk c on ``placements[c % p]`` (broadcast weights), the
+    activation moved on between them; returns (weights, the training step, its single-device twin)."""
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(width, width, generator=gen, dtype=torch.float64) / width ** 0.5 for _ in range(chunks)]
+    ws = [gt.distribute(w, placements[c % len(placements)], B).requires_grad_() for c, w in enumerate(init)]
+    ref = [w.clone().requires_grad_() for w in init]
+    opts = torch.optim.AdamW(ws, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
+
+    def forward(x, weights, move):
+        for c, w in enumerate(weights):
+            x = torch.tanh(move(x, c) @ w)
+        return x
+
+    def step(x, y, weights=ws, opt=opts[0], move=lambda x, c: x.to_global(placement=placements[c % len(placements)])):
+        loss = ((forward(x, weights, move) - move(y, chunks - 1)) ** 2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(weights, 0.5)        # the total norm over every stage
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def reference(x, y):
+        return step(x, y, ref, opts[1], lambda x, c: x)
+    return ws, ref, step, reference
+
+
+def _batches(placement, n: int, rows: int = 16, width: int = 6):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, width, generator=gen, dtype=torch.float64),
+             torch.randn(rows, width, generator=gen, dtype=torch.float64)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name, stages, v, m", [
+    ("gpipe", 2, 1, 4), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 8), ("zero_bubble", 2, 1, 4), ("zero_bubble", 4, 1, 4),
+    ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 4, 2, 8)])
+def test_a_scheduled_pipeline_trains_as_one_device(name, stages, v, m):
+    with gt.simulate(stages):
+        placements = [gt.placement("cpu", [r]) for r in range(stages)]
+        ws, ref, step, reference = chain(placements, stages * v)
+        g = gt.compile(step, micro_batches=m, schedule=name)
+        for i, (x, y) in enumerate(_batches(placements[0], 4)):
+            loss = g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[-1], B))
+            want = reference(x, y)
+            torch.testing.assert_close(loss.full_tensor(), want, **EXACT, msg=lambda e: f"step {i}: loss: {e}")
+        for c, (w, r) in enumerate(zip(ws, ref)):
+            torch.testing.assert_close(w.full_tensor(), r.detach(), **EXACT, msg=lambda e: f"weight {c}: {e}")
+        assert g.captures == 1
+        assert name in repr(g.plan) and (name == "gpipe" or f"over {stages} stages" in g.plan.pipeline)
+
+
+def test_zero_bubble_splits_the_weight_gradients_off():
+    with gt.simulate(2):
+        placements = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
+        _, _, step, _ = chain(placements, 2)
+        g = gt.compile(step, micro_batches=2, schedule="zero_bubble")
+        x, y = _batches(placements[0], 1)[0]
+        for _ in range(3):
+            g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[1], B))
+        units = {t.unit for t in g.plan.tasks if t.unit is not None}
+        assert {("W", 1, 0), ("B", 1, 0), ("W", 0, 1)} <= units
+        grads = [t for t in g.plan.tasks if t.unit == ("W", 1, 0) and t.node.target == torch.ops.aten.mm.default]
+        assert grads, "the last chunk's weight gradient (an mm) is a W task"
+
+
+def _stage_peaks(name: str, m: int) -> dict:
+    with gt.simulate(2):
+        placements = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
+        _, _, step, _ = chain(placements, 2, width=64)
+        g = gt.compile(step, micro_batches=m, schedule=name, measure_memory=True, streams="rank")
+        x, y = _batches(placements[0], 1, rows=64 * m, width=64)[0]
+        for _ in range(3):
+            g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[1], B))
+        return g.peak_register_bytes_by_rank
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe_on_threads_of_their_own():
+    """Each rank on its own threads (streams="rank"), where nothing but the credits orders the
+    stages: stage 0 holds at most 2 micro-batches' activations under 1F1B, all 8 under GPipe."""
+    gpipe, one_f_one_b = _stage_peaks("gpipe", 8), _stage_peaks("1f1b", 8)
+    assert one_f_one_b[0] < 0.6 * gpipe[0], (one_f_one_b, gpipe)
+
+
+def test_1f1b_credits_are_dependencies():
+    """Stage 0's third forward waits for its first backward (the credit it gives back)."""
+    with gt.simulate(2):
+        placements = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
+        _, _, step, _ = chain(placements, 2)
+        g = gt.compile(step, micro_batches=4, schedule="1f1b")
+        x, y = _batches(placements[0], 1)[0]
+        for _ in range(3):
+            g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[1], B))
+        tasks = g.plan.tasks
+        waits = {tasks[d].unit for t in tasks if t.unit == ("F", 0, 2) for d, _ in t.deps}
+        assert ("B", 0, 0) in waits, waits
+
+
+def test_three_d_pipeline_of_data_and_tensor_parallel_stages_trains_as_one_device():
+    """2 stages x 2 data x 2 tensor on 8 ranks: each stage a Megatron MLP (column then row
+    parallel) on a 2x2 placement, the batch split over the data axis, AdamW and clipping over both
+    stages; every schedule equals one device."""
+    width = 8
+    gen = torch.Generator().manual_seed(2)
+    init = [torch.randn(width, width, generator=gen, dtype=torch.float64) / width ** 0.5 for _ in range(4)]
+    for name in ("gpipe", "1f1b", "zero_bubble"):
+        with gt.simulate(8):
+            stages = [gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [[4, 5], [6, 7]])]
+            ws = [gt.distribute(w, stages[i // 2], (B, S(1) if i % 2 == 0 else S(0))).requires_grad_()
+                  for i, w in enumerate(init)]
+            ref = [w.clone().requires_grad_() for w in init]
+            opt, ref_opt = torch.optim.AdamW(ws, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
+
+            def step(x, y, weights=ws, opt=opt, stage_of=lambda x, i: x.to_global(placement=stages[i // 2],
+                                                                                  sbp=(S(0), B))):
+                h = x
+                for i in (0, 2):
+                    h = stage_of(h, i)
+                    h = torch.tanh(h @ weights[i]) @ weights[i + 1]
+                loss = ((h - stage_of(y, 2)) ** 2).mean()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(weights, 0.3)
+                opt.step()
+                opt.zero_grad()
+                return loss.detach()
+            g = gt.compile(step, micro_batches=4, schedule=name)
+            for i, (x, y) in enumerate(_batches(stages[0], 3, rows=16, width=width)):
+                loss = g(gt.distribute(x, stages[0], (S(0), B)), gt.distribute(y, stages[1], (S(0), B)))
+                want = step(x, y, ref, ref_opt, lambda x, i: x)
+                torch.testing.assert_close(loss.full_tensor(), want, **EXACT, msg=lambda e: f"{name} step {i}: {e}")
+            for i, (w, r) in enumerate(zip(ws, ref)):
+                torch.testing.assert_close(w.full_tensor(), r.detach(), **EXACT, msg=lambda e: f"{name} w{i}: {e}")
+
+
+# -- what a schedule cannot run ------------------------------------------------------------------
+def _compile_chain(stages: int, chunks: int, m: int, name: str):
+    with gt.simulate(stages):
+        placements = [gt.placement("cpu", [r]) for r in range(stages)]
+        _, _, step, _ = chain(placements, chunks)
+        g = gt.compile(step, micro_batches=m, schedule=name)
+        x, y = _batches(placements[0], 1, rows=24)[0]
+        for _ in range(3):
+            g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[(chunks - 1) % stages], B))
+
+
+@pytest.mark.parametrize("stages, chunks, m, name, reason", [
+    (4, 4, 2, "1f1b", "2 micro-batches for 4 stages"),
+    (2, 4, 2, "1f1b", "the model runs 4 chunks on 2 stages, and 1f1b takes one chunk per stage"),
+    (2, 4, 2, "zero_bubble", "takes one chunk per stage"),
+    (4, 8, 6, "interleaved_1f1b", "6 micro-batches on 4 stages; it runs the micro-batches in rounds of 4")])
+def test_a_schedule_that_cannot_run_the_step_says_why(stages, chunks, m, name, reason):
+    with pytest.raises(CompileError, match=f"schedule='{name}'\\) cannot run this step: .*{reason}"):
+        _compile_chain(stages, chunks, m, name)
+
+
+def test_a_schedule_needs_a_backward_and_a_known_name():
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        g = gt.compile(lambda x: x * 2, micro_batches=2, schedule="1f1b")
+        with pytest.raises(CompileError, match="runs no backward"):
+            for _ in range(3):
+                g(gt.randn(4, 2, placement=p, sbp=S(0)))
+    with pytest.raises(ValueError, match="expected one of 'gpipe', '1f1b'"):
+        gt.compile(lambda x: x, schedule="1F1B")
