@@ -320,7 +320,7 @@ class CompiledFunction:
         world = get_world()
         program = lower(cap, micro_batches=m, registers=self.registers,
                         collective_rank=None if world.simulated else world.rank, streams=self.streams,
-                        schedule=self.schedule)
+                        schedule=self.schedule, exchange=None if world.simulated else world.gather_objects)
         backend = None
         if self.cuda_graphs:
             backend = graph_backend()

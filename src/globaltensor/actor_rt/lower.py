@@ -98,11 +98,12 @@ class _Schedule:
     """A pipeline schedule over the step's stages: each per-micro-batch op's unit, and the units'
     starts (schedules.py), which order the tasks."""
 
-    def __init__(self, name: str, cap: Captured, live: set, per_mb: Dict[int, bool], m: int, rank_of):
+    def __init__(self, name: str, cap: Captured, live: set, per_mb: Dict[int, bool], m: int, rank_of,
+                 exchange: Optional[Callable], rank: Optional[int]):
         self.name, self.m = name, m
         last_backward = _last_backward(cap, f"schedule={name!r}")
         nodes = [i for i in sorted(live) if per_mb[i]]
-        self.layout: PipelineLayout = pipeline_layout(cap, nodes, last_backward, rank_of, name)
+        self.layout: PipelineLayout = pipeline_layout(cap, nodes, last_backward, rank_of, name, exchange, rank or 0)
         self.split = splits_weight_gradients(name)
         if self.split:
             split_weight_gradients(cap, self.layout, nodes)
@@ -256,13 +257,13 @@ class _Builder:
         self.tasks.append(t)
         self.keys.append(key)
 
-    def build(self, live: set, schedule: str) -> None:
+    def build(self, live: set, schedule: str, exchange: Optional[Callable] = None) -> None:
         cap, m = self.cap, self.m
         if schedule != "gpipe" and m == 1:
             _last_backward(cap, f"schedule={schedule!r}")
         self.per_mb = _per_micro_batch(cap, live, m)
         if schedule != "gpipe":
-            self.schedule = _Schedule(schedule, cap, live, self.per_mb, m, self.rank_of)
+            self.schedule = _Schedule(schedule, cap, live, self.per_mb, m, self.rank_of, exchange, self.collective_rank)
         for i in sorted(live):
             n = cap.nodes[i]
             rank = self.rank_of(n)
@@ -395,12 +396,13 @@ def _device_stream(t: TaskSpec, merged: bool) -> str:
 
 def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callable] = 2,
           collective_rank: Optional[int] = None, streams: Union[None, str, Callable] = None,
-          schedule: str = "gpipe") -> Program:
+          schedule: str = "gpipe", exchange: Optional[Callable] = None) -> Program:
     """The task graph of ``cap`` for the ranks this process holds.
 
     ``schedule``: the order of the micro-batches' forwards and backwards over the pipeline's stages
     (schedules.py); other than ``"gpipe"``, each stage's bound on the micro-batches it holds is
-    enforced by dependencies, whatever the streams.
+    enforced by dependencies, whatever the streams. ``exchange``: in a process world, the world's
+    all-gather of an object, by which the processes agree on the pipeline's stages.
 
     ``streams`` chooses the stream of each task:
 
@@ -421,7 +423,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     live = _live(cap)
     _assign_ranks(cap, live, cap.held_ranks[0])
     b = _Builder(cap, micro_batches, cap.held_ranks[0], collective_rank)
-    b.build(live, schedule)
+    b.build(live, schedule, exchange)
     outputs = []
     for o in cap.outputs:
         refs = {r: b.resolve(v, None) for r, v in o.refs.items()}

@@ -11,13 +11,13 @@ is split: the ops the input gradient needs -- what is sent to the previous chunk
 and through reads and writes of one storage in capture order -- are its ``B`` unit, the rest (the
 weight gradients) its ``W``. Per-micro-batch ops after the backward (a loss detached for the
 return) run after their chunk's backward, as unit ``P``. The stage of the step's first op is the
-first stage; an op reading nothing but arguments and state runs with the first chunk of its
-stage that uses it.
+first stage, where an op reading the step's arguments starts chunk 0; an op reading no other op
+(a view of a weight, a buffer to receive into) runs with the earliest chunk that uses it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from torch.utils._pytree import tree_unflatten
 
@@ -65,9 +65,13 @@ def _transfer_ends(n: Node) -> Tuple[Set[int], Set[int]]:
     return {x.src for x in transfers if x.src != x.dst}, {x.dst for x in transfers if x.src != x.dst}
 
 
-def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, schedule: str) -> PipelineLayout:
-    """The stages, chunks and units of the per-micro-batch nodes (``rank_of(node)``: its task's rank)."""
-    nodes, values = cap.nodes, cap.values
+def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, schedule: str,
+           exchange: Optional[Callable[[object], list]] = None, rank: int = 0) -> PipelineLayout:
+    """The stages, chunks and units of the per-micro-batch nodes (``rank_of(node)``: its task's rank).
+    ``exchange``: in a process world (this process ``rank``), where each process captured its own
+    ranks' ops only, the world's all-gather of an object, one per rank: the processes' views are
+    joined into the whole pipeline."""
+    nodes = cap.nodes
     ranks = _Ranks()
     for i in per_mb_nodes:
         n = nodes[i]
@@ -86,31 +90,20 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
             return ranks.find(min(senders)) if senders else ranks.find(rank_of(n))
         return ranks.find(min(n.ranks) if n.kind == "collective" else rank_of(n))
 
-    position: Dict[int, Optional[int]] = {}
-    chunks = 0
-    first = next((nodes[i] for i in per_mb_nodes if not nodes[i].backward and nodes[i].kind != "collective"), None)
-    anchor = group(first) if first is not None else None
-    for backward_pass in (False, True):
-        for i in per_mb_nodes:
-            n = nodes[i]
-            if n.backward != backward_pass:
-                continue
-            here, found = group(n), []
-            for v in n.inputs:
-                if values[v].kind != "node" or values[v].node not in position or position[values[v].node] is None:
-                    continue
-                src = nodes[values[v].node]
-                p = position[values[v].node]
-                if backward_pass and not src.backward:
-                    found.append(2 * chunks - 1 - p)       # chunk p's saved value: chunk p's backward
-                else:
-                    found.append(p + (group(src) != here))  # another stage's value: the next chunk
-            if not found and not backward_pass and here == anchor:
-                found = [0]                              # reads only arguments and state: the first chunk
-            position[i] = max(found) if found else None
-        if not backward_pass:
-            chunks = 1 + max((p for p in position.values() if p is not None), default=0)
-    _sources_from_users(cap, per_mb_nodes, position)
+    def first_rank(g: int) -> int:
+        return min(r for r in list(ranks.parent) if ranks.find(r) == g)
+
+    forward = [i for i in per_mb_nodes if not nodes[i].backward]
+    backward = [i for i in per_mb_nodes if nodes[i].backward]
+    if exchange is None:
+        first = next((nodes[i] for i in forward if nodes[i].kind != "collective"), None)
+        position = _forward_positions(cap, forward, group, group(first) if first is not None else None, {})
+        chunks = 1 + max((p for i in forward for p in [position.get(i)] if p is not None), default=0)
+    else:
+        position = _joined_forward_positions(cap, forward, group, ranks.find, exchange, rank)
+        chunks = 1 + max(exchange(max((p for i in forward for p in [position.get(i)] if p is not None), default=0)))
+    _positions(cap, backward, position, group, lambda n, p: 2 * chunks - 1 - p, None)
+    _sources_from_users(cap, per_mb_nodes, position, group)
     stage_of_chunk: Dict[int, int] = {}
     for i in per_mb_nodes:
         n = nodes[i]
@@ -120,11 +113,17 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
         if not 0 <= chunk < chunks:
             cannot_schedule(schedule, f"{n.name} follows the data flow back past the first chunk; a schedule needs "
                                       f"one forward and one backward per micro-batch, each through the chunks once")
-        g = group(n)
+        g = first_rank(group(n))
         if stage_of_chunk.setdefault(chunk, g) != g:
             cannot_schedule(schedule, f"chunk {chunk} of the model runs on two stages (the ranks of rank {g} and of "
                                       f"rank {stage_of_chunk[chunk]}), at {n.name}")
-    groups = []
+    if exchange is not None:
+        for theirs in exchange(stage_of_chunk):
+            for c, g in theirs.items():
+                if stage_of_chunk.setdefault(c, g) != g:
+                    cannot_schedule(schedule, f"chunk {c} of the model runs on two stages (the ranks of rank {g} "
+                                              f"and of rank {stage_of_chunk[c]})")
+    groups: List[int] = []
     for c in range(chunks):
         g = stage_of_chunk.get(c)
         if g is None:
@@ -139,7 +138,7 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
                                       f"stage k mod {p})")
     members: Dict[int, List[int]] = {}
     for r in list(ranks.parent):
-        members.setdefault(ranks.find(r), []).append(r)
+        members.setdefault(first_rank(ranks.find(r)), []).append(r)
     unit_of = {}
     for i in per_mb_nodes:
         pos, n = position.get(i), nodes[i]
@@ -151,20 +150,91 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
             unit_of[i] = ("F", pos)
         else:
             unit_of[i] = ("B", 2 * chunks - 1 - pos)
-    return PipelineLayout([tuple(sorted(members[g])) for g in groups], chunks, unit_of)
+    return PipelineLayout([tuple(sorted(members.get(g, [g]))) for g in groups], chunks, unit_of)
 
 
-def _sources_from_users(cap: Captured, per_mb_nodes: List[int], position: Dict[int, Optional[int]]) -> None:
-    """A node that reads no other node (a factory, a view of an argument) takes the position of the
-    earliest of its users."""
+def _positions(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group, saved, anchor) -> None:
+    """Each node's position from its inputs' (in capture order): the latest of them, one more across
+    stages; a backward node reading a forward value at position p is at ``saved(node, p)``, the
+    chunk's backward. A forward node reading the step's arguments on ``anchor``'s stage starts at 0."""
+    nodes, values = cap.nodes, cap.values
+    for i in todo:
+        n = nodes[i]
+        here, found = group(n), []
+        for v in n.inputs:
+            if values[v].kind != "node" or position.get(values[v].node) is None:
+                continue
+            src, p = nodes[values[v].node], position[values[v].node]
+            if n.backward and not src.backward:
+                found.append(saved(n, p))
+            else:
+                found.append(p + (group(src) != here))  # another stage's value: the next chunk
+        if not found and here == anchor and any(values[v].kind == "arg" for v in n.inputs):
+            found = [0]
+        position[i] = max(found) if found else None
+
+
+def _transfer_keys(cap: Captured, forward: List[int], stage_of) -> Dict[tuple, int]:
+    """The forward transfers from one stage to another, each as (senders, receivers, occurrence): the
+    same key in every process that records it."""
+    seen: Dict[tuple, int] = {}
+    keys = {}
+    for i in forward:
+        n = cap.nodes[i]
+        if n.kind == "collective" and n.target == "send_recv":
+            senders, receivers = _transfer_ends(n)
+            if senders and receivers and stage_of(min(senders)) != stage_of(min(receivers)):
+                pair = (tuple(sorted(senders)), tuple(sorted(receivers)))
+                seen[pair] = seen.get(pair, -1) + 1
+                keys[pair + (seen[pair],)] = i
+    return keys
+
+
+def _forward_positions(cap: Captured, forward: List[int], group, anchor, known: Dict[int, int]) -> dict:
+    """Forward positions by data flow: ops reading the step's arguments on ``anchor``'s stage start at
+    0; a transfer node in ``known`` (node -> the sender's chunk) is where its sender put it."""
+    position: Dict[int, Optional[int]] = dict(known)
+    _positions(cap, [i for i in forward if i not in known], position, group, lambda n, p: None, anchor)
+    _sources_from_users(cap, forward, position, group)
+    return position
+
+
+def _joined_forward_positions(cap, forward, group, stage_of, exchange, rank: int) -> dict:
+    """Forward positions in a process world, where this process holds some chunks of the pipeline and
+    sees only the transfers it takes part in. The stage whose first transfer is a send holds chunk 0;
+    each process numbers what the data flow reaches from there and from the transfers it has
+    received, and tells the others where its sends leave from (an all-gather per round), until no
+    process learns anything more -- every process ends its rounds together, on the same data."""
+    keys = _transfer_keys(cap, forward, stage_of)
+    mine = stage_of(rank)
+    first = min(keys.values(), default=None)
+    anchor = mine if first is None or group(cap.nodes[first]) == mine else None
+    known: Dict[tuple, int] = {}
+    while True:
+        at = {keys[k]: p for k, p in known.items() if k in keys and group(cap.nodes[keys[k]]) != mine}
+        position = _forward_positions(cap, forward, group, anchor, at)
+        sent = {k: position[i] for k, i in keys.items() if group(cap.nodes[i]) == mine and position.get(i) is not None}
+        learnt = dict(known)
+        for theirs in exchange(sent):
+            learnt.update(theirs)
+        if learnt == known:
+            return position
+        known = learnt
+
+
+def _sources_from_users(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group) -> None:
+    """A node whose position its inputs do not give (it reads no other node, or only such nodes: a
+    view of a weight, a buffer to receive into, a rotary table) takes the earliest position its
+    users need it at -- one chunk earlier for a user on another stage."""
     users: Dict[int, List[int]] = {}
-    for i in per_mb_nodes:
+    for i in todo:
         for v in cap.nodes[i].inputs:
             if cap.values[v].kind == "node":
                 users.setdefault(cap.values[v].node, []).append(i)
-    for i in reversed(per_mb_nodes):
+    for i in reversed(todo):
         if position.get(i) is None:
-            known = [position[u] for u in users.get(i, ()) if position.get(u) is not None]
+            here = group(cap.nodes[i])
+            known = [position[u] - (group(cap.nodes[u]) != here) for u in users.get(i, ()) if position.get(u) is not None]
             position[i] = min(known) if known else None
 
 

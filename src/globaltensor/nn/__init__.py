@@ -14,6 +14,7 @@ from .optim_state import init_optimizer_state
 from .dtensor_modules import from_dtensor_module, to_dtensor_module
 from .moe import expert_parallel
 from .parallel_styles import from_parallel_styles, hf_tp_plan
+from .pipeline_stages import pipeline_stages
 
 __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLEL", "ROW_PARALLEL", "REPLICATED",
            "CONV1D_COLUMN_PARALLEL", "CONV1D_FUSED_QKV_COLUMN_PARALLEL", "CONV1D_ROW_PARALLEL", "column_parallel",
@@ -21,4 +22,4 @@ __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLE
            "megatron_plan", "llama_plan", "gpt2_plan", "on_axis", "ZeroOptimizer", "shard_sbp",
            "init_optimizer_state", "from_dtensor_module", "to_dtensor_module",
            "GradBuckets", "bucket_gradients", "no_sync", "auto_plan", "AutoPlan", "expert_parallel",
-           "from_parallel_styles", "hf_tp_plan"]
+           "from_parallel_styles", "hf_tp_plan", "pipeline_stages"]

@@ -1,0 +1,137 @@
+"""``pipeline_stages``: cut a model's repeated layers into pipeline stages without touching its forward.
+
+    gt.nn.pipeline_stages(model, [stage0, stage1])          # layers 0..L/2-1 on stage0, the rest on stage1
+    step = gt.compile(train_step, micro_batches=8, schedule="1f1b")
+
+The model is laid out by ``plan`` on the first placement (``distribute_module``); then its
+repeated layers -- the ``nn.ModuleList`` / ``nn.ModuleDict`` named ``layers``, by default the one
+with the most children -- are cut into ``p * chunks_per_stage`` contiguous chunks, chunk ``c``
+moved to placement ``c mod p`` (each tensor keeping its SBP). What comes before the layers stays
+on the first stage (embeddings; modules with no parameters, such as a rotary embedding, too);
+the modules with parameters after them (the final norm, the head) go with the last chunk. A
+forward pre-hook on every moved module moves its global inputs to its placement: the activation
+crossing to the next stage is a ``to_global`` like any other, and autograd sends its gradient back.
+The model's forward is unchanged; give the loss its targets on the last chunk's placement.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..placement import Placement
+from ..tensor import GlobalTensor
+from .distribute import DEFAULT_BUCKET_BYTES, PlanLike, _entries, distribute_module
+from .activation_layouts import is_activation_key
+from .grad_buckets import GradBuckets, bucket_gradients
+
+
+def _layers(model: nn.Module, name: Optional[str]):
+    if name is not None:
+        try:
+            container = model.get_submodule(name)
+        except AttributeError:
+            container = None
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(f"pipeline_stages(layers={name!r}): expected the name of an nn.ModuleList or "
+                             f"nn.ModuleDict of {type(model).__name__}, got {type(container).__name__}")
+        return name, container
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    if not found:
+        raise ValueError(f"pipeline_stages: {type(model).__name__} has no nn.ModuleList or nn.ModuleDict of layers "
+                         f"to cut into stages")
+    return max(found, key=lambda item: len(item[1]))
+
+
+def _around(model: nn.Module, path: str) -> tuple:
+    """The modules registered before and after the branch that leads to ``path``, at every level (those
+    after it, the innermost level's first: a final norm before the head)."""
+    before, after = [], []
+    parts = path.split(".")
+    module, prefix = model, ""
+    for part in parts:
+        names = list(module._modules)
+        i = names.index(part)
+        before += [(prefix + n, module._modules[n]) for n in names[:i] if module._modules[n] is not None]
+        after = [(prefix + n, module._modules[n]) for n in names[i + 1:] if module._modules[n] is not None] + after
+        module, prefix = module._modules[part], prefix + part + "."
+    return before, after
+
+
+def _move(module: nn.Module, placement: Placement) -> None:
+    layouts = {n: t.sbp for n, t in [*module.named_parameters(), *module.named_buffers()] if isinstance(t, GlobalTensor)}
+    distribute_module(module, placement, layouts, bucket_bytes=0)
+
+    def inputs_here(_, args, kwargs):
+        def here(v):
+            if isinstance(v, GlobalTensor) and v.placement != placement:
+                return v.to_global(placement=placement)
+            if type(v) in (tuple, list):
+                return type(v)(here(x) for x in v)
+            return v
+        return here(args), {k: here(v) for k, v in kwargs.items()}
+    module.register_forward_pre_hook(inputs_here, with_kwargs=True)
+
+
+def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: PlanLike = None, *,
+                    layers: Optional[str] = None, chunks_per_stage: int = 1,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Dict[int, List[str]]:
+    """Lay ``model`` out by ``plan`` and cut its layers into pipeline stages (see the module's
+    docstring); in place. Returns, per stage, the names of the modules it holds besides the first
+    stage's head (embeddings): ``{stage: [names]}``."""
+    placements = list(placements)
+    if len(placements) < 1 or not all(isinstance(p, Placement) for p in placements):
+        raise TypeError(f"pipeline_stages(placements=): expected a list of placements, got {placements!r}")
+    if len({p.ndim for p in placements}) > 1:
+        raise ValueError(f"pipeline_stages: the stages' placements must have as many axes each (one plan lays every "
+                         f"stage out), got {[p.ndim for p in placements]} axes")
+    if not isinstance(chunks_per_stage, int) or chunks_per_stage < 1:
+        raise ValueError(f"pipeline_stages(chunks_per_stage=): expected an int >= 1, got {chunks_per_stage!r}")
+    activations = [k for k, _ in _entries(plan) if is_activation_key(k)]
+    if activations:
+        raise ValueError(f"pipeline_stages(plan=): activation entries {activations} are bound to one placement; give "
+                         f"the stages' plans parameter entries only")
+    GradBuckets(bucket_bytes)
+    name, container = _layers(model, layers)
+    layer_list = list(container.children())
+    p, chunks = len(placements), len(placements) * chunks_per_stage
+    if len(layer_list) < chunks:
+        raise ValueError(f"pipeline_stages: {name} holds {len(layer_list)} layers, fewer than the {chunks} chunks of "
+                         f"{p} stages x {chunks_per_stage} chunks per stage")
+    distribute_module(model, placements[0], plan, bucket_bytes=0)
+    _, after = _around(model, name)
+    tail = [(n, m) for n, m in after if any(True for _ in m.parameters())]
+    _check_untied(model, layer_list, [m for _, m in tail])
+    stages: Dict[int, List[str]] = {s: [] for s in range(p)}
+    size, extra = divmod(len(layer_list), chunks)
+    start = 0
+    for c in range(chunks):
+        end = start + size + (c < extra)
+        for i in range(start, end):
+            _move(layer_list[i], placements[c % p])
+            stages[c % p].append(f"{name}.{i}")
+        start = end
+    for n, m in tail:
+        _move(m, placements[(chunks - 1) % p])
+        stages[(chunks - 1) % p].append(n)
+    if bucket_bytes:
+        bucket_gradients(model, bucket_bytes)
+    return stages
+
+
+def _check_untied(model: nn.Module, layer_list: List[nn.Module], tail: List[nn.Module]) -> None:
+    """A parameter a moved module shares with a module outside it (tied embeddings) would be copied
+    apart by the move."""
+    owners: Dict[int, set] = {}
+    for mod in model.modules():
+        for t in mod._parameters.values():
+            if isinstance(t, torch.Tensor):
+                owners.setdefault(id(t), set()).add(id(mod))
+    for part in (*layer_list, *tail):
+        inside = {id(m) for m in part.modules()}
+        for pname, t in part.named_parameters():
+            if owners.get(id(t), set()) - inside:
+                raise ValueError(f"pipeline_stages: parameter {pname} of {type(part).__name__} is shared with a module "
+                                 f"outside it (tied weights), which a move to another stage would copy apart; untie "
+                                 f"it (clone) or keep the modules together")

@@ -1,0 +1,101 @@
+"""gt.nn.pipeline_stages: a model's layers cut into stages on placements of their own, its forward
+untouched -- examples/gpt.py's GPT and transformers' Llama train under every schedule as on one
+device (float64), with AdamW and clipping over every stage; what it cannot cut it refuses."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import globaltensor as gt
+from fallback_guard import no_fallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import GPT, GPTConfig, make_batch  # noqa: E402
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+EXACT = dict(rtol=1e-11, atol=1e-13)     # float64, the same sums in another order (micro-batch means)
+
+
+def _train(model, reference, stages, loss_of, batches, schedule):
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+
+    def step(x, y, model=model, opt=opt):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    g = gt.compile(step, micro_batches=4, schedule=schedule)
+    for i, (x, y) in enumerate(batches):
+        with no_fallback():
+            loss = g(gt.distribute(x, stages[0], S(0)), gt.distribute(y, stages[-1], S(0)))
+        want = step(x, y, reference, ref_opt)
+        torch.testing.assert_close(loss.full_tensor(), want, **EXACT, msg=lambda e: f"{schedule} step {i}: {e}")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), **EXACT, msg=lambda e: f"{schedule} {name}: {e}")
+    return g
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_the_gpt_in_two_data_parallel_stages_trains_as_one_device(schedule, float64):
+    cfg = GPTConfig(n_layer=4)
+    with gt.simulate(4):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        reference = copy.deepcopy(model)
+        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        held = gt.nn.pipeline_stages(model, stages, chunks_per_stage=v)
+        want = ({0: ["blocks.0", "blocks.1"], 1: ["blocks.2", "blocks.3", "ln_f", "lm_head"]} if v == 1 else
+                {0: ["blocks.0", "blocks.2"], 1: ["blocks.1", "blocks.3", "ln_f", "lm_head"]})
+        assert held == want
+        assert model.wte.weight.placement == stages[0] and model.lm_head.weight.placement == stages[1]
+        batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
+        g = _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule)
+        assert schedule in repr(g.plan)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_hf_llama_cut_into_stages_trains_as_one_device(schedule, float64):
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa", tie_word_embeddings=False)
+
+    def loss_of(m, x, y):
+        logits = m(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    with gt.simulate(4):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        reference = copy.deepcopy(model)
+        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+        held = gt.nn.pipeline_stages(model, stages, chunks_per_stage=2 if schedule == "interleaved_1f1b" else 1)
+        assert held[1][-2:] == ["model.norm", "lm_head"], held
+        assert model.model.rotary_emb.inv_freq.placement == stages[0]        # no parameters: stays with the head
+        gen = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, 64, (8, 9), generator=gen) for _ in range(3)]
+        _train(model, reference, stages, loss_of, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids],
+               schedule)
+
+
+def test_what_pipeline_stages_refuses():
+    with gt.simulate(4):
+        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+        with pytest.raises(ValueError, match="holds 2 layers, fewer than the 4 chunks"):
+            gt.nn.pipeline_stages(GPT(GPTConfig(n_layer=2)), stages, chunks_per_stage=2)
+        with pytest.raises(ValueError, match="as many axes each"):
+            gt.nn.pipeline_stages(GPT(), [stages[0], gt.placement("cpu", [[2], [3]])])
+        with pytest.raises(ValueError, match="activation entries"):
+            gt.nn.pipeline_stages(GPT(), stages, {"blocks.0:input": S(0)})
+        tied = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, vocab_size=32, tie_word_embeddings=True))
+        with pytest.raises(ValueError, match="tied weights"):
+            gt.nn.pipeline_stages(tied, stages)
+        with pytest.raises(ValueError, match="expected the name of an nn.ModuleList"):
+            gt.nn.pipeline_stages(GPT(), stages, layers="wte")
