@@ -31,6 +31,7 @@ import local_map
 import long_context
 import models
 import optimizer
+import pipeline_schedules
 import scale
 import soak
 import subclass_floor
@@ -63,6 +64,7 @@ JOBS = {
     "rt_ops": ("compiled op chain, 2 processes", lambda q: H.spawn(actor_runtime._worker_ops, 2, q)),
     "rt_tp": ("compiled TP MLP step, 2 processes", lambda q: H.spawn(actor_runtime._worker_tp, 2, q)),
     "rt_pp": ("pipeline, 2 processes", lambda q: H.spawn(actor_runtime._worker_pp, 2, q)),
+    "pp_sched": ("pipeline schedules, 2 processes", lambda q: H.spawn(pipeline_schedules._worker, 2, q, timeout=1800)),
     "check": ("consistency check off and on, 2 processes",
               lambda q: H.spawn(consistency_check._worker_procs, 2, q)),
     "models": ("HF Llama / GPT-2 and a BatchNorm CNN, bytes per step, 4 simulated ranks", models.measure),
@@ -267,6 +269,24 @@ def long_context_rows(res) -> list:
                 f"one device {one:,} B", busiest / one, long_context.GOAL)]
 
 
+def schedule_rows(res) -> list:
+    """Per m: 1F1B's first-stage activations within its bound, its step at GPipe's or better, zero
+    bubble's below 1F1B's (pipeline_schedules.py; 2 stages, one per process)."""
+    out = []
+    for (m, name), r in sorted(res.items()):
+        gpipe, one_f = res[(m, "gpipe")], res[(m, "1f1b")]
+        if name == "1f1b":
+            act = r["activations"][0] / gpipe["activations"][0]
+            out.append(row(f"pipeline 1F1B, m={m}: stage 0's activations / GPipe's (2 procs)", f"{act:.2f}",
+                           f"bound {3 / m:.2f}", act / (3 / m), 1.0))
+            out.append(row(f"pipeline 1F1B, m={m}: step vs GPipe (2 procs)", f"{r['step'] * 1e3:.1f} ms",
+                           f"GPipe {gpipe['step'] * 1e3:.1f} ms", r["step"] / gpipe["step"], 1.0))
+        elif name == "zero_bubble":
+            out.append(row(f"pipeline zero bubble, m={m}: step vs 1F1B (2 procs)", f"{r['step'] * 1e3:.1f} ms",
+                           f"1F1B {one_f['step'] * 1e3:.1f} ms", r["step"] / one_f["step"], 1.0, strict=True))
+    return out
+
+
 MEASURES = [
     Measure("eager", eager_rows),
     Measure("dp", step_row("DP GPT step (n_embd 256), eager (2 procs, batch split)", "eager", "ddp", "DDP", 1.05)),
@@ -286,6 +306,7 @@ MEASURES = [
     Measure("dp", runtime_rows("dp")),
     Measure("dp512", runtime_rows("dp")),
     Measure("rt_pp", runtime_rows("pp")),
+    Measure("pp_sched", schedule_rows),
     Measure("models", model_rows),
     Measure("check", check_rows),
     Measure("optim", optimizer_rows),

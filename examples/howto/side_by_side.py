@@ -35,9 +35,12 @@ TINY = dict(cfg=GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_em
 FULL = dict(cfg=GPTConfig(), batch=16, seq=16, steps=20)
 
 
-def parse_args(doc: str, argv=None) -> argparse.Namespace:
-    """``--tiny``, ``--steps``, ``--float64``; the description is the first line of the how-to's docstring."""
+def parse_args(doc: str, argv=None, more: Optional[Callable] = None) -> argparse.Namespace:
+    """``--tiny``, ``--steps``, ``--float64`` (and what ``more(parser)`` adds); the description is the
+    first line of the how-to's docstring."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if more is not None:
+        more(parser)
     parser.add_argument("--tiny", action="store_true", help="the tiny model and a few steps (what the tests run)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: 20, or 3 with --tiny)")
     parser.add_argument("--float64", action="store_true",

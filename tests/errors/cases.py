@@ -233,6 +233,13 @@ def _compiled(fn, *args, **options):
     return g
 
 
+def _layered(layers: int) -> torch.nn.Module:
+    """A model whose layers are an nn.ModuleList named ``blocks``."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(layers))
+    return model
+
+
 def _four_stages_two_micro_batches():
     """A 4-stage pipeline (a weight per rank, the activation handed on) under 1F1B with 2 micro-batches."""
     stages = [gt.placement("cpu", [r]) for r in range(4)]
@@ -529,6 +536,9 @@ CASES = {
     "compile-micro-batches-without-backward": lambda: _compiled(lambda x: x * 2, gt.randn(8, 4, placement=p4(),
                                                                                             sbp=S(0)),
                                                                 micro_batches=2),
+    "pipeline-stages": lambda: gt.nn.pipeline_stages(_layered(2), [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])],
+                                                     chunks_per_stage=2),
+    "pipeline-stages-placements": lambda: gt.nn.pipeline_stages(_layered(2), "cpu"),
     "compile-schedule-name": lambda: gt.compile(lambda x: x, micro_batches=8, schedule="1F1B"),
     "compile-schedule": _four_stages_two_micro_batches,
     "capture-host-read": lambda: _compiled(lambda x: x * x.sum().item(), x84()),

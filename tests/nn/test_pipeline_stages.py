@@ -97,5 +97,5 @@ def test_what_pipeline_stages_refuses():
                                             num_attention_heads=2, vocab_size=32, tie_word_embeddings=True))
         with pytest.raises(ValueError, match="tied weights"):
             gt.nn.pipeline_stages(tied, stages)
-        with pytest.raises(ValueError, match="expected the name of an nn.ModuleList"):
+        with pytest.raises(ValueError, match="names no nn.ModuleList or nn.ModuleDict"):
             gt.nn.pipeline_stages(GPT(), stages, layers="wte")

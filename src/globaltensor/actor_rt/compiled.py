@@ -378,6 +378,12 @@ class CompiledFunction:
         pipeline stage's activations in flight."""
         return dict(self._graph().runtime.peak_bytes_by_rank)
 
+    @property
+    def peak_activation_bytes_by_rank(self) -> dict:
+        """Per rank, the most bytes the registers of its micro-batches' forward tasks held at once, the
+        arguments aside (``measure_memory=True``): a pipeline stage's activations in flight."""
+        return dict(self._graph().runtime.peak_activation_bytes_by_rank)
+
 
 def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: int = 1, *,
             bucket_bytes: int = 25 * 2 ** 20, warmup: int = 1, timeline: bool = False,

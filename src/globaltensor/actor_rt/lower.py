@@ -130,7 +130,9 @@ class _Schedule:
 
     def credits(self, tasks: List[TaskSpec], position: Dict[int, int]) -> None:
         """Each stage's bound K on the micro-batches it holds, as credits: its i-th forward waits for
-        the (i - K)-th unit that gives one back -- a backward, or a weight gradient when split."""
+        the (i - K)-th unit that gives one back -- a backward, or a weight gradient when split. (A
+        receive stays where its sender's unit puts it, which both sides agree on: the messages
+        between two processes must come in the same order on both.)"""
         release = "W" if self.split else "B"
         for seq in self.sequences:
             bound = in_flight(seq, self.split)

@@ -102,7 +102,7 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
     else:
         position = _joined_forward_positions(cap, forward, group, ranks.find, exchange, rank)
         chunks = 1 + max(exchange(max((p for i in forward for p in [position.get(i)] if p is not None), default=0)))
-    _positions(cap, backward, position, group, lambda n, p: 2 * chunks - 1 - p, None)
+    _settle(cap, backward, position, group, lambda n, p: 2 * chunks - 1 - p, None)
     _sources_from_users(cap, per_mb_nodes, position, group)
     stage_of_chunk: Dict[int, int] = {}
     for i in per_mb_nodes:
@@ -194,9 +194,20 @@ def _forward_positions(cap: Captured, forward: List[int], group, anchor, known: 
     """Forward positions by data flow: ops reading the step's arguments on ``anchor``'s stage start at
     0; a transfer node in ``known`` (node -> the sender's chunk) is where its sender put it."""
     position: Dict[int, Optional[int]] = dict(known)
-    _positions(cap, [i for i in forward if i not in known], position, group, lambda n, p: None, anchor)
-    _sources_from_users(cap, forward, position, group)
+    _settle(cap, forward, position, group, lambda n, p: None, anchor)
     return position
+
+
+def _settle(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group, saved, anchor) -> None:
+    """Positions from inputs, then from users, again until none is added: in a process world a
+    chain can start from a value received from another process (a gradient), which only its
+    users place."""
+    while True:
+        unknown = sum(position.get(i) is None for i in todo)
+        _positions(cap, [i for i in todo if position.get(i) is None], position, group, saved, anchor)
+        _sources_from_users(cap, todo, position, group)
+        if sum(position.get(i) is None for i in todo) in (0, unknown):
+            return
 
 
 def _joined_forward_positions(cap, forward, group, stage_of, exchange, rank: int) -> dict:

@@ -134,6 +134,7 @@ class Runtime:
         self.waits: list = []          # (stream, task, iteration, start, end, "input" | "credit", on what)
         self.peak_bytes = 0
         self.peak_bytes_by_rank: dict = {}      # rank -> the most bytes its tasks' registers held at once
+        self.peak_activation_bytes_by_rank: dict = {}   # the same, of its micro-batches' forward tasks
         self.failed = None             # (exception, task) once a task raised: the graph is broken
         self.lock = threading.Lock()
         self.done_cond = threading.Condition()
@@ -333,7 +334,8 @@ class Runtime:
     def _sample_memory(self) -> None:
         """The bytes of the storages the registers hold now, other than state (a view of a parameter
         costs the registers nothing; a view of an argument keeps the argument alive, and counts)."""
-        seen, total, by_rank = set(self.external), 0, {}
+        seen, total, by_rank, micro = set(self.external), 0, {}, {}
+        arguments = {storage_key(o) for slot in self.feed.regs for o in slot or () if isinstance(o, torch.Tensor)}
         for t in self.tasks:
             for slot in t.regs:
                 for o in slot or ():
@@ -344,9 +346,13 @@ class Runtime:
                             size = o.untyped_storage().nbytes()
                             total += size
                             by_rank[t.spec.rank] = by_rank.get(t.spec.rank, 0) + size
+                            if t.spec.mb is not None and t.spec.node is not None and not t.spec.node.backward \
+                                    and key not in arguments:
+                                micro[t.spec.rank] = micro.get(t.spec.rank, 0) + size
         self.peak_bytes = max(self.peak_bytes, total)
-        for rank, size in by_rank.items():
-            self.peak_bytes_by_rank[rank] = max(self.peak_bytes_by_rank.get(rank, 0), size)
+        for peaks, now in ((self.peak_bytes_by_rank, by_rank), (self.peak_activation_bytes_by_rank, micro)):
+            for rank, size in now.items():
+                peaks[rank] = max(peaks.get(rank, 0), size)
 
     # -- a run ----------------------------------------------------------------------------
     def run(self, feeds: List[list], sink_count: int) -> List[list]:

@@ -27,6 +27,10 @@ from .activation_layouts import is_activation_key
 from .grad_buckets import GradBuckets, bucket_gradients
 
 
+def _refuse(why: str):
+    raise ValueError(f"pipeline_stages: {why}")
+
+
 def _layers(model: nn.Module, name: Optional[str]):
     if name is not None:
         try:
@@ -34,13 +38,12 @@ def _layers(model: nn.Module, name: Optional[str]):
         except AttributeError:
             container = None
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-            raise ValueError(f"pipeline_stages(layers={name!r}): expected the name of an nn.ModuleList or "
-                             f"nn.ModuleDict of {type(model).__name__}, got {type(container).__name__}")
+            _refuse(f"layers={name!r} names no nn.ModuleList or nn.ModuleDict of {type(model).__name__} (it is "
+                    f"{type(container).__name__})")
         return name, container
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
     if not found:
-        raise ValueError(f"pipeline_stages: {type(model).__name__} has no nn.ModuleList or nn.ModuleDict of layers "
-                         f"to cut into stages")
+        _refuse(f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of layers to cut into stages")
     return max(found, key=lambda item: len(item[1]))
 
 
@@ -84,21 +87,21 @@ def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: Pla
     if len(placements) < 1 or not all(isinstance(p, Placement) for p in placements):
         raise TypeError(f"pipeline_stages(placements=): expected a list of placements, got {placements!r}")
     if len({p.ndim for p in placements}) > 1:
-        raise ValueError(f"pipeline_stages: the stages' placements must have as many axes each (one plan lays every "
-                         f"stage out), got {[p.ndim for p in placements]} axes")
-    if not isinstance(chunks_per_stage, int) or chunks_per_stage < 1:
-        raise ValueError(f"pipeline_stages(chunks_per_stage=): expected an int >= 1, got {chunks_per_stage!r}")
+        _refuse(f"the stages' placements must have as many axes each (one plan lays every stage out), got "
+                f"{[p.ndim for p in placements]} axes")
+    if not isinstance(chunks_per_stage, int) or isinstance(chunks_per_stage, bool) or chunks_per_stage < 1:
+        _refuse(f"chunks_per_stage: expected an int >= 1, got {chunks_per_stage!r}")
     activations = [k for k, _ in _entries(plan) if is_activation_key(k)]
     if activations:
-        raise ValueError(f"pipeline_stages(plan=): activation entries {activations} are bound to one placement; give "
-                         f"the stages' plans parameter entries only")
+        _refuse(f"the plan's activation entries {activations} are bound to one placement; give the stages' plans "
+                f"parameter entries only")
     GradBuckets(bucket_bytes)
     name, container = _layers(model, layers)
     layer_list = list(container.children())
     p, chunks = len(placements), len(placements) * chunks_per_stage
     if len(layer_list) < chunks:
-        raise ValueError(f"pipeline_stages: {name} holds {len(layer_list)} layers, fewer than the {chunks} chunks of "
-                         f"{p} stages x {chunks_per_stage} chunks per stage")
+        _refuse(f"{name} holds {len(layer_list)} layers, fewer than the {chunks} chunks of {p} stages x "
+                f"{chunks_per_stage} chunks per stage")
     distribute_module(model, placements[0], plan, bucket_bytes=0)
     _, after = _around(model, name)
     tail = [(n, m) for n, m in after if any(True for _ in m.parameters())]
@@ -132,6 +135,6 @@ def _check_untied(model: nn.Module, layer_list: List[nn.Module], tail: List[nn.M
         inside = {id(m) for m in part.modules()}
         for pname, t in part.named_parameters():
             if owners.get(id(t), set()) - inside:
-                raise ValueError(f"pipeline_stages: parameter {pname} of {type(part).__name__} is shared with a module "
-                                 f"outside it (tied weights), which a move to another stage would copy apart; untie "
-                                 f"it (clone) or keep the modules together")
+                _refuse(f"parameter {pname} of {type(part).__name__} is shared with a module outside it (tied "
+                        f"weights), which a move to another stage would copy apart; untie it (clone) or keep the "
+                        f"modules together")

@@ -1,0 +1,187 @@
+"""Pipeline schedules side by side: GPipe, 1F1B, interleaved 1F1B and zero bubble, on gloo processes
+(one stage each) and on simulated stages, at p = 2 and 4 stages and m = 8 and 16 micro-batches.
+
+    .venv/bin/python benchmarks/pipeline_schedules.py [--quick] [--procs 2,4] [--simulated]
+
+The model: a chain of ``LAYERS`` blocks (Linear D->4D, GELU, Linear 4D->D, residual) and a linear
+head, its blocks cut into stages by ``gt.nn.pipeline_stages`` (interleaved: 2 chunks per stage),
+trained with SGD on a mean-squared loss; every schedule's losses must equal GPipe's. Per schedule:
+
+- step: the median time of a compiled step (after the warm-up and the capture);
+- bubble: from the timeline of one step, each rank's idle fraction of its compute stream over the
+  step's span (first task to last, over every rank), averaged over the ranks; beside it the ideal,
+  ``(p - 1) / (m + p - 1)`` -- over ``v`` for interleaved;
+- activations: per stage, the most bytes its micro-batches' forward tasks held at once
+  (``measure_memory=True``, the arguments aside), as a fraction of GPipe's; 1F1B's bound is
+  ``(p - s) / m`` of GPipe's plus one micro-batch.
+
+Processes run one rank each on this machine's cores (p = 4 on 2 cores shares them: times and
+bubbles there measure the machine as much as the schedule); simulated stages run every rank's
+streams as threads of one process (``streams="rank"``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import _harness as H
+
+D, LAYERS, ROWS = 256, 8, 32           # width, blocks, rows per micro-batch
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.head = nn.Linear(D, D)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+    torch.manual_seed(0)
+    return Chain()
+
+
+def _bubble(timeline: list, ranks: list) -> float:
+    """Each rank's idle share of its compute stream over one call's span, averaged over ``ranks``: the
+    time its compute tasks ran (a send a process runs on its compute stream, which may wait for its
+    receiver, not counted) over the span from the call's first task to its last on any rank."""
+    last = max(it for _, _, it, _, _ in timeline)
+    tasks = [(s, name, t0, t1) for s, name, it, t0, t1 in timeline if it == last]
+    start, end = min(t[2] for t in tasks), max(t[3] for t in tasks)
+    idle = []
+    for r in ranks:
+        busy = sum(t1 - t0 for s, name, t0, t1 in tasks if s == f"r{r}:compute" and "send_recv" not in name)
+        idle.append(1.0 - busy / (end - start))
+    return statistics.mean(idle)
+
+
+def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool) -> dict:
+    import torch
+
+    import globaltensor as gt
+
+    B = gt.sbp.broadcast
+    stages = [gt.placement("cpu", [r]) for r in range(p)]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(m * ROWS, D, generator=gen), torch.randn(m * ROWS, D, generator=gen)
+    gx, gy = gt.distribute(x, stages[0], B), gt.distribute(y, stages[-1], B)
+    out = {}
+    for kind in ("timed", "traced", "measured"):
+        model = _model()
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        gt.nn.pipeline_stages(model, stages, chunks_per_stage=v)
+        gy = gt.distribute(y, stages[(p * v - 1) % p], B)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step(a, b):
+            loss = ((model(a) - b) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        g = gt.compile(step, micro_batches=m, schedule=schedule, timeline=kind == "traced",
+                       measure_memory=kind == "measured", streams="rank" if simulated else None)
+        losses = [g(gx, gy).full_tensor().item() for _ in range(3)]
+        if kind == "timed":
+            out["losses"] = losses
+            times = []
+            for _ in range(repeats):
+                if not simulated:
+                    torch.distributed.barrier()
+                t0 = time.perf_counter()
+                g(gx, gy).full_tensor()
+                times.append(time.perf_counter() - t0)
+            out["step"] = statistics.median(times)
+        elif kind == "traced":
+            out["bubble"] = _bubble(g._graph().runtime.timeline, list(range(p)) if simulated else [gt.rank()])
+        else:
+            out["activations"] = g.peak_activation_bytes_by_rank
+        out["plan"] = g.plan.pipeline or schedule
+    return out
+
+
+def _configs(p: int, quick: bool) -> list:
+    ms = (8,) if quick else (8, 16)
+    return [(m, s) for m in ms for s in SCHEDULES]
+
+
+def _worker(rank: int, world: int, quick: bool) -> dict:
+    """One stage per process: every schedule at m = 8 and 16; per config, every rank's numbers."""
+    import torch.distributed as dist
+    repeats = 3 if quick else 7
+    results = {}
+    for m, schedule in _configs(world, quick):
+        mine = _run(world, m, schedule, repeats, simulated=False)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        results[(m, schedule)] = {
+            "losses": every[0]["losses"], "step": max(e["step"] for e in every),
+            "bubble": statistics.mean(e["bubble"] for e in every),
+            "activations": {r: e["activations"].get(r, 0) for r, e in enumerate(every)}, "plan": every[0]["plan"]}
+    return results
+
+
+def measure_simulated(p: int, quick: bool) -> dict:
+    import globaltensor as gt
+    results = {}
+    with gt.simulate(p):
+        for m, schedule in _configs(p, quick):
+            results[(m, schedule)] = _run(p, m, schedule, 3 if quick else 5, simulated=True)
+    return results
+
+
+def report(p: int, where: str, results: dict) -> str:
+    rows = []
+    for (m, schedule), r in results.items():
+        gpipe = results[(m, "gpipe")]
+        if any(abs(a - b) > 1e-4 * max(1.0, abs(b)) for a, b in zip(r["losses"], gpipe["losses"])):
+            raise AssertionError(f"{schedule}, p={p}, m={m}: losses {r['losses']} differ from GPipe's {gpipe['losses']}")
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        ideal = (p - 1) / (m + p - 1) / v
+        act = [r["activations"].get(s, 0) / max(gpipe["activations"].get(s, 1), 1) for s in range(p)]
+        bound = [(p - s + 1) / m for s in range(p)] if schedule in ("1f1b", "zero_bubble") else None
+        rows.append([m, schedule, f"{r['step'] * 1e3:.1f} ms", f"{r['step'] / gpipe['step']:.2f}x",
+                     f"{r['bubble']:.3f}", f"{ideal:.3f}",
+                     " ".join(f"{a:.2f}" for a in act),
+                     " ".join(f"{b:.2f}" for b in bound) if bound else "-",
+                     "met" if bound is None or all(a <= b for a, b in zip(act, bound)) else "short"])
+    return H.table(["m", "schedule", "step", "vs GPipe", "bubble", "ideal", "activations per stage / GPipe's",
+                    "1F1B bound", "memory"], rows, f"## {p} stages, {where}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="m = 8 only, fewer repeats")
+    ap.add_argument("--procs", default="2,4", help="process counts (one stage each), comma-separated")
+    ap.add_argument("--simulated", action="store_true", help="also 2 and 4 simulated stages in this process")
+    args = ap.parse_args(argv)
+    print(H.header("pipeline"))
+    print(f"a chain of {LAYERS} blocks (Linear {D}->{4 * D}, GELU, Linear {4 * D}->{D}) and a head, float32, "
+          f"{ROWS} rows per micro-batch, SGD\n")
+    for p in (int(v) for v in args.procs.split(",") if v):
+        print(report(p, "gloo processes", H.spawn(_worker, p, args.quick, timeout=3600)) + "\n", flush=True)
+    if args.simulated:
+        for p in (2, 4):
+            print(report(p, "simulated (streams='rank')", measure_simulated(p, args.quick)) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
