@@ -6,8 +6,10 @@
 
 A region is the text between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->`` in a
 page; everything else in the page stays as written. tests/docs/test_docs_numbers.py checks every
-region against a fresh run. Byte and collective counts follow from the layouts alone, so they are
-exact on every machine; timings are not generated (they stay measured figures, with their date and
+region against a fresh run, at the development pin of torch (pyproject / Makefile). Byte and
+collective counts follow from the layouts alone, so they are exact on every machine (and at the
+ends of the supported range; ``explain()``'s modelled memory counts what each release's autograd
+saves, so it is the pin's); timings are not generated (they stay measured figures, with their date and
 machine, in docs/performance.md).
 """
 from __future__ import annotations
