@@ -22,7 +22,7 @@ S, B = gt.sbp.split, gt.sbp.broadcast
 EXACT = dict(rtol=1e-11, atol=1e-13)     # float64, the same sums in another order (micro-batch means)
 
 
-def _train(model, reference, stages, loss_of, batches, schedule):
+def _train(model, reference, stages, loss_of, batches, schedule, batch_sbp=S(0)):
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
 
     def step(x, y, model=model, opt=opt):
@@ -35,7 +35,7 @@ def _train(model, reference, stages, loss_of, batches, schedule):
     g = gt.compile(step, micro_batches=4, schedule=schedule)
     for i, (x, y) in enumerate(batches):
         with no_fallback():
-            loss = g(gt.distribute(x, stages[0], S(0)), gt.distribute(y, stages[-1], S(0)))
+            loss = g(gt.distribute(x, stages[0], batch_sbp), gt.distribute(y, stages[-1], batch_sbp))
         want = step(x, y, reference, ref_opt)
         torch.testing.assert_close(loss.full_tensor(), want, **EXACT, msg=lambda e: f"{schedule} step {i}: {e}")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -60,6 +60,25 @@ def test_the_gpt_in_two_data_parallel_stages_trains_as_one_device(schedule, floa
         batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
         g = _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule)
         assert schedule in repr(g.plan)
+
+
+FSDP = {"wte.weight": B, "wpe.weight": B, "*.weight": S(0), "*.bias": S(0)}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("plan, batch_sbp", [(FSDP, S(0)), (None, S(1, order="head_tail"))], ids=["fsdp", "sequence"])
+def test_fsdp_and_sequence_parallel_stages_train_as_one_device(schedule, plan, batch_sbp, float64):
+    """Each stage FSDP-style (its parameters split, gathered for use) or sequence-parallel (the
+    tokens split on the sequence, balanced, attention as a ring inside each stage)."""
+    cfg = GPTConfig(n_layer=4)
+    with gt.simulate(4):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        reference = copy.deepcopy(model)
+        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+        gt.nn.pipeline_stages(model, stages, plan)
+        batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
+        _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule, batch_sbp)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
