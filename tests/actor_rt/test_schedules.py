@@ -127,29 +127,28 @@ def test_every_schedule_runs_to_the_end_under_any_streams_and_registers(name, st
             torch.testing.assert_close(loss.full_tensor(), reference(x, y), **EXACT)
 
 
-def test_zero_bubble_splits_the_weight_gradients_off():
+def _two_stages(name: str, m: int, width: int = 6, rows: int = 16, **options):
+    """The chain on 2 stages (ranks 0 and 1) compiled with ``schedule=name``, after 3 calls."""
     with gt.simulate(2):
         placements = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
-        _, _, step, _ = chain(placements, 2)
-        g = gt.compile(step, micro_batches=2, schedule="zero_bubble")
-        x, y = _batches(placements[0], 1)[0]
+        _, _, step, _ = chain(placements, 2, width=width)
+        g = gt.compile(step, micro_batches=m, schedule=name, **options)
+        x, y = _batches(placements[0], 1, rows=rows, width=width)[0]
         for _ in range(3):
             g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[1], B))
-        units = {t.unit for t in g.plan.tasks if t.unit is not None}
-        assert {("W", 1, 0), ("B", 1, 0), ("W", 0, 1)} <= units
-        grads = [t for t in g.plan.tasks if t.unit == ("W", 1, 0) and t.node.target == torch.ops.aten.mm.default]
-        assert grads, "the last chunk's weight gradient (an mm) is a W task"
+        return g
+
+
+def test_zero_bubble_splits_the_weight_gradients_off():
+    g = _two_stages("zero_bubble", 2)
+    units = {t.unit for t in g.plan.tasks if t.unit is not None}
+    assert {("W", 1, 0), ("B", 1, 0), ("W", 0, 1)} <= units
+    grads = [t for t in g.plan.tasks if t.unit == ("W", 1, 0) and t.node.target == torch.ops.aten.mm.default]
+    assert grads, "the last chunk's weight gradient (an mm) is a W task"
 
 
 def _activations(name: str, m: int) -> dict:
-    with gt.simulate(2):
-        placements = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
-        _, _, step, _ = chain(placements, 2, width=64)
-        g = gt.compile(step, micro_batches=m, schedule=name, measure_memory=True, streams="rank")
-        x, y = _batches(placements[0], 1, rows=64 * m, width=64)[0]
-        for _ in range(3):
-            g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[1], B))
-        return g.peak_activation_bytes_by_rank
+    return _two_stages(name, m, width=64, rows=64 * m, measure_memory=True, streams="rank").peak_activation_bytes_by_rank
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
@@ -166,16 +165,9 @@ def test_1f1b_holds_the_micro_batches_it_promises_on_threads_of_their_own(name):
 
 def test_1f1b_credits_are_dependencies():
     """Stage 0's third forward waits for its first backward (the credit it gives back)."""
-    with gt.simulate(2):
-        placements = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
-        _, _, step, _ = chain(placements, 2)
-        g = gt.compile(step, micro_batches=4, schedule="1f1b")
-        x, y = _batches(placements[0], 1)[0]
-        for _ in range(3):
-            g(gt.distribute(x, placements[0], B), gt.distribute(y, placements[1], B))
-        tasks = g.plan.tasks
-        waits = {tasks[d].unit for t in tasks if t.unit == ("F", 0, 2) for d, _ in t.deps}
-        assert ("B", 0, 0) in waits, waits
+    tasks = _two_stages("1f1b", 4).plan.tasks
+    waits = {tasks[d].unit for t in tasks if t.unit == ("F", 0, 2) for d, _ in t.deps}
+    assert ("B", 0, 0) in waits, waits
 
 
 @pytest.mark.parametrize("name", sch.SCHEDULES)

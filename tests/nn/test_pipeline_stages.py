@@ -43,22 +43,29 @@ def _train(model, reference, stages, loss_of, batches, schedule, batch_sbp=S(0))
     return g
 
 
+def _train_gpt_in_stages(schedule, plan=None, batch_sbp=S(0), chunks_per_stage=1):
+    """examples/gpt.py's 4-layer GPT cut into stages on [0, 1] and [2, 3], trained 3 steps beside one
+    device; (the compiled step, the model, the stages, pipeline_stages' answer)."""
+    cfg = GPTConfig(n_layer=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+    held = gt.nn.pipeline_stages(model, stages, plan, chunks_per_stage=chunks_per_stage)
+    batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
+    g = _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule, batch_sbp)
+    return g, model, stages, held
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 def test_the_gpt_in_two_data_parallel_stages_trains_as_one_device(schedule, float64):
-    cfg = GPTConfig(n_layer=4)
+    v = 2 if schedule == "interleaved_1f1b" else 1
     with gt.simulate(4):
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        reference = copy.deepcopy(model)
-        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
-        v = 2 if schedule == "interleaved_1f1b" else 1
-        held = gt.nn.pipeline_stages(model, stages, chunks_per_stage=v)
+        g, model, stages, held = _train_gpt_in_stages(schedule, chunks_per_stage=v)
         want = ({0: ["blocks.0", "blocks.1"], 1: ["blocks.2", "blocks.3", "ln_f", "lm_head"]} if v == 1 else
                 {0: ["blocks.0", "blocks.2"], 1: ["blocks.1", "blocks.3", "ln_f", "lm_head"]})
         assert held == want
         assert model.wte.weight.placement == stages[0] and model.lm_head.weight.placement == stages[1]
-        batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
-        g = _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule)
         assert schedule in repr(g.plan)
 
 
@@ -70,15 +77,8 @@ FSDP = {"wte.weight": B, "wpe.weight": B, "*.weight": S(0), "*.bias": S(0)}
 def test_fsdp_and_sequence_parallel_stages_train_as_one_device(schedule, plan, batch_sbp, float64):
     """Each stage FSDP-style (its parameters split, gathered for use) or sequence-parallel (the
     tokens split on the sequence, balanced, attention as a ring inside each stage)."""
-    cfg = GPTConfig(n_layer=4)
     with gt.simulate(4):
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        reference = copy.deepcopy(model)
-        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
-        gt.nn.pipeline_stages(model, stages, plan)
-        batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
-        _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule, batch_sbp)
+        _train_gpt_in_stages(schedule, plan, batch_sbp)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
