@@ -12,7 +12,9 @@ and through reads and writes of one storage in capture order -- are its ``B`` un
 weight gradients) its ``W``. Per-micro-batch ops after the backward (a loss detached for the
 return) run after their chunk's backward, as unit ``P``. The stage of the step's first op is the
 first stage, where an op reading the step's arguments starts chunk 0; an op reading no other op
-(a view of a weight, a buffer to receive into) runs with the earliest chunk that uses it.
+(a view of a weight, a buffer to receive into) runs with the earliest chunk that uses it. In a
+process world, where each process captured only its own ranks' ops, the processes join their
+views: see :func:`_joined_forward_positions`.
 """
 from __future__ import annotations
 
@@ -30,10 +32,6 @@ class PipelineLayout:
     stages: List[Tuple[int, ...]]            # the ranks of each stage, stage 0 first
     chunks: int                              # V: the model chunks, chunk c on stage c mod p
     unit_of: Dict[int, Tuple[str, int]]      # node index -> (kind "F" / "B" / "W" / "P", chunk)
-
-    @property
-    def per_stage(self) -> int:
-        return self.chunks // len(self.stages)
 
 
 def cannot_schedule(schedule: str, why: str):
