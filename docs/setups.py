@@ -25,6 +25,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
+import demo  # noqa: E402
 from gpt import GPT, MLP, TENSOR_PARALLEL, GPTConfig, make_batch  # noqa: E402
 
 
@@ -81,13 +82,7 @@ def data_parallel() -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = (gt.distribute(t, p, S(0)) for t in (names["idx"], names["targets"]))
 
-    def train_step(x, y):
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    train_step = demo.train_step(model, opt)
     train_step(idx, targets)
     micro = [make_batch(names["cfg"], 4, 16, torch.Generator().manual_seed(i)) for i in range(4)]
     names.update(plan=plan, opt=opt, idx=idx, targets=targets, x=idx, y=targets, train_step=train_step,
