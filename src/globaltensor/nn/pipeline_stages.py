@@ -47,19 +47,17 @@ def _layers(model: nn.Module, name: Optional[str]):
     return max(found, key=lambda item: len(item[1]))
 
 
-def _around(model: nn.Module, path: str) -> tuple:
-    """The modules registered before and after the branch that leads to ``path``, at every level (those
-    after it, the innermost level's first: a final norm before the head)."""
-    before, after = [], []
-    parts = path.split(".")
+def _after(model: nn.Module, path: str) -> list:
+    """``(name, module)`` of the modules registered after the branch that leads to ``path``, at every
+    level, the innermost level's first (a final norm before the head)."""
+    after = []
     module, prefix = model, ""
-    for part in parts:
+    for part in path.split("."):
         names = list(module._modules)
-        i = names.index(part)
-        before += [(prefix + n, module._modules[n]) for n in names[:i] if module._modules[n] is not None]
-        after = [(prefix + n, module._modules[n]) for n in names[i + 1:] if module._modules[n] is not None] + after
+        after = [(prefix + n, module._modules[n]) for n in names[names.index(part) + 1:]
+                 if module._modules[n] is not None] + after
         module, prefix = module._modules[part], prefix + part + "."
-    return before, after
+    return after
 
 
 def _move(module: nn.Module, placement: Placement) -> None:
@@ -97,14 +95,14 @@ def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: Pla
                 f"parameter entries only")
     GradBuckets(bucket_bytes)
     name, container = _layers(model, layers)
-    layer_list = list(container.children())
+    keys = [k for k, m in container._modules.items() if m is not None]
+    layer_list = [container._modules[k] for k in keys]
     p, chunks = len(placements), len(placements) * chunks_per_stage
     if len(layer_list) < chunks:
         _refuse(f"{name} holds {len(layer_list)} layers, fewer than the {chunks} chunks of {p} stages x "
                 f"{chunks_per_stage} chunks per stage")
     distribute_module(model, placements[0], plan, bucket_bytes=0)
-    _, after = _around(model, name)
-    tail = [(n, m) for n, m in after if any(True for _ in m.parameters())]
+    tail = [(n, m) for n, m in _after(model, name) if next(m.parameters(), None) is not None]
     _check_untied(model, layer_list, [m for _, m in tail])
     stages: Dict[int, List[str]] = {s: [] for s in range(p)}
     size, extra = divmod(len(layer_list), chunks)
@@ -113,7 +111,7 @@ def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: Pla
         end = start + size + (c < extra)
         for i in range(start, end):
             _move(layer_list[i], placements[c % p])
-            stages[c % p].append(f"{name}.{i}")
+            stages[c % p].append(f"{name}.{keys[i]}")
         start = end
     for n, m in tail:
         _move(m, placements[(chunks - 1) % p])
