@@ -101,7 +101,7 @@ class _Builder:
         self.tasks: List[TaskSpec] = []
         self.instance: Dict[Tuple[int, Optional[int]], int] = {}
         self.acc: Dict[int, int] = {}
-        self.late: set = set()               # once-per-call tasks that read a mean over micro-batches
+        self.late: set = set()               # once-per-call tasks after the micro-batches (see build)
         self.feeds: Dict[tuple, tuple] = {}
         self.keys: List[tuple] = []          # sort key of every task, for the reference order
 
@@ -176,8 +176,11 @@ class _Builder:
             rank = self.rank_of(n)
             for mb in (range(m) if self.per_mb[i] else [None]):
                 inputs = [self.resolve(v, mb) for v in n.inputs]
-                late = mb is None and any(x[0] == "task" and (self.tasks[x[1]].mb is not None or x[1] in self.late)
-                                          for x in inputs)
+                # a once-per-call task after the micro-batches: one reading a mean over them, and every
+                # collective (whose place must not depend on what this process's pieces read: each
+                # process issues its collectives in capture order, the others' sends and receives too)
+                late = mb is None and (n.kind == "collective" or any(
+                    x[0] == "task" and (self.tasks[x[1]].mb is not None or x[1] in self.late) for x in inputs))
                 name = n.name + (f"#mb{mb}" if m > 1 and mb is not None else "")
                 unit = self.schedule.unit(i, mb) if self.schedule and mb is not None else None
                 if unit is not None:
