@@ -70,18 +70,18 @@ def gpt() -> dict:
 
 def data_parallel() -> dict:
     """:func:`gpt`, the model distributed data parallel (``plan``: the empty plan, every parameter
-    broadcast) with ``opt`` its AdamW, after one training step; the batch split on its rows (``idx`` and ``targets``, also
-    ``x`` and ``y``) and ``micro_batches`` (4 such batches of 4 sequences), ``train_step(x, y)``
-    (forward, backward, AdamW step; returns the loss), ``params`` (the model's parameters),
-    ``build()`` (a fresh GPT like ``model``), ``single`` (one, on one device), ``path`` (an empty
-    folder), ``dcp`` (``torch.distributed.checkpoint``) and ``contextlib``."""
+    broadcast) with ``opt`` its AdamW, after one training step (``train_step(x, y)``: demo.py's step,
+    forward, backward, AdamW; returns the loss); the batch split on its rows (``idx`` and
+    ``targets``, also ``x`` and ``y``) and ``micro_batches`` (4 such batches of 4 sequences),
+    ``params`` (the model's parameters), ``build()`` (a fresh GPT like ``model``), ``single`` (one,
+    on one device), ``path`` (an empty folder), ``dcp`` (``torch.distributed.checkpoint``) and
+    ``contextlib``."""
     names = gpt()
     model, p, S = names["model"], names["p"], names["S"]
     plan: dict = {}
     gt.nn.distribute_module(model, p, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = (gt.distribute(t, p, S(0)) for t in (names["idx"], names["targets"]))
-
     train_step = demo.train_step(model, opt)
     train_step(idx, targets)
     micro = [make_batch(names["cfg"], 4, 16, torch.Generator().manual_seed(i)) for i in range(4)]
