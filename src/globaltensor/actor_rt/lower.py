@@ -164,8 +164,6 @@ class _Builder:
 
     def build(self, live: set, schedule: str, exchange: Optional[Callable] = None) -> None:
         cap, m = self.cap, self.m
-        if schedule != "gpipe" and m == 1:
-            _last_backward(cap, f"schedule={schedule!r}")
         self.per_mb = _per_micro_batch(cap, live, m)
         if schedule != "gpipe":
             self.schedule = PipelineSchedule(schedule, cap, [i for i in sorted(live) if self.per_mb[i]], m,

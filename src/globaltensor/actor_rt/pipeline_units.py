@@ -82,11 +82,18 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
         else:
             ranks.union(n.ranks)
 
+    groups: Dict[int, int] = {}                  # node index -> its stage's root rank (unions are done)
+
     def group(n: Node) -> int:
-        if n.kind == "collective" and n.target == "send_recv":
-            senders, _ = _transfer_ends(n)
-            return ranks.find(min(senders)) if senders else ranks.find(rank_of(n))
-        return ranks.find(min(n.ranks) if n.kind == "collective" else rank_of(n))
+        g = groups.get(n.index)
+        if g is None:
+            if n.kind == "collective" and n.target == "send_recv":
+                senders, _ = _transfer_ends(n)
+                g = ranks.find(min(senders)) if senders else ranks.find(rank_of(n))
+            else:
+                g = ranks.find(min(n.ranks) if n.kind == "collective" else rank_of(n))
+            groups[n.index] = g
+        return g
 
     def first_rank(g: int) -> int:
         return min(r for r in list(ranks.parent) if ranks.find(r) == g)
@@ -180,11 +187,7 @@ def _as_late_as_used(cap: Captured, forward: List[int], position: Dict[int, Opti
     its inputs make it: a rotary table received from the first stage for the fourth chunk's attention
     is the fourth chunk's (its backward reads it there), not the second's. Transfers stay where their
     senders put them."""
-    users: Dict[int, List[int]] = {}
-    for i in forward:
-        for v in cap.nodes[i].inputs:
-            if cap.values[v].kind == "node":
-                users.setdefault(cap.values[v].node, []).append(i)
+    users = _users(cap, forward)
     for i in reversed(forward):
         n = cap.nodes[i]
         if n.kind == "collective" or position.get(i) is None:
@@ -237,10 +240,11 @@ def _settle(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], 
     """Positions from inputs, then from users, again until none is added: in a process world a
     chain can start from a value received from another process (a gradient), which only its
     users place."""
+    users = _users(cap, todo)
     while True:
         unknown = sum(position.get(i) is None for i in todo)
         _positions(cap, [i for i in todo if position.get(i) is None], position, group, saved, anchor)
-        _sources_from_users(cap, todo, position, group)
+        _sources_from_users(cap, todo, position, group, users)
         if sum(position.get(i) is None for i in todo) in (0, unknown):
             return
 
@@ -268,15 +272,23 @@ def _joined_forward_positions(cap, forward, group, stage_of, exchange, rank: int
         known = learnt
 
 
-def _sources_from_users(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group) -> None:
-    """A node whose position its inputs do not give (it reads no other node, or only such nodes: a
-    view of a weight, a buffer to receive into, a rotary table) takes the earliest position its
-    users need it at -- one chunk earlier for a user on another stage."""
+def _users(cap: Captured, nodes: List[int]) -> Dict[int, List[int]]:
+    """Node index -> the nodes among ``nodes`` that read it."""
     users: Dict[int, List[int]] = {}
-    for i in todo:
+    for i in nodes:
         for v in cap.nodes[i].inputs:
             if cap.values[v].kind == "node":
                 users.setdefault(cap.values[v].node, []).append(i)
+    return users
+
+
+def _sources_from_users(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group,
+                        users: Optional[Dict[int, List[int]]] = None) -> None:
+    """A node whose position its inputs do not give (it reads no other node, or only such nodes: a
+    view of a weight, a buffer to receive into, a rotary table) takes the earliest position its
+    users need it at -- one chunk earlier for a user on another stage. ``users``: :func:`_users` of
+    ``todo``, when the caller has it."""
+    users = _users(cap, todo) if users is None else users
     for i in reversed(todo):
         if position.get(i) is None:
             here = group(cap.nodes[i])
