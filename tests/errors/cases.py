@@ -418,6 +418,9 @@ CASES = {
     "auto-plan-host-read": lambda: gnn.auto_plan(_ReadsAValue(), p4(), [(6, 4)]),
     "auto-plan-memory-limit": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], memory_limit=-1),
     "auto-plan-no-fit": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], memory_limit=100),
+    "auto-plan-device": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], device="TPU"),
+    "auto-plan-predict-loaded": lambda: gnn.AutoPlan.from_dict(gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)])
+                                                                .to_dict()).predict(),
     "calibrate-argument": lambda: gt.calibrate(small=0),
     "calibrate-sizes": lambda: gt.calibrate(small=4096, large=1024),
     "calibrate-world": _calibrate_one_rank,

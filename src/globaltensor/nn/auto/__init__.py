@@ -1,6 +1,8 @@
-"""``gt.nn.auto_plan``: candidate roles per placement axis (candidates.py), costed by a meta run
-through the dispatcher (cost.py, calibrated by ``gt.calibrate()``: calibration.py), the least
-modelled time kept (plan.py) and explained (explain.py)."""
+"""``gt.nn.auto_plan``: candidate roles per placement axis (candidates.py), each costed by a meta run
+through the dispatcher (cost.py: its collectives, and each rank's kernels tallied by compute.py),
+its step predicted on a device (predict.py; devices.py's table, or this machine as
+``gt.calibrate()`` measured it: calibration.py, kernel_timing.py), the fastest that fits kept
+(plan.py) and explained (explain.py)."""
 from .calibration import calibrate
 from .plan import AutoPlan, auto_plan
 

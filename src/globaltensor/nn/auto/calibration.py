@@ -1,16 +1,20 @@
-"""``gt.calibrate()``: the latency and bandwidth of the world's collectives, measured and cached.
+"""``gt.calibrate()``: this machine's collectives, kernels and dispatch, measured and cached.
 
 Each collective kind -- all-reduce, all-gather, reduce-scatter, all-to-all, send/recv -- is timed on
 the whole world through the boxing that issues it (``P -> B``, ``S(0) -> B``, ``P -> S(0)``,
 ``S(0) -> S(1)``, a move to a placement of the ranks in another order), at a small and a large
-payload; ``time = latency + bytes / bandwidth`` through the two points gives both, the bytes counted
-as ``gt.comm_stats()`` counts them (the most any one rank sends). The result is cached per backend
-and world size for the process: ``gt.nn.auto_plan`` costs each collective with it, and without one
-with :data:`DEFAULT`. Every rank calls it (it runs collectives).
+payload, as a step meets it: right after a burst of compute, its time what it adds to the burst's
+(a rank that computed a little longer than its peer keeps the others waiting; on this machine's
+gloo that wait is most of a small collective's cost). ``time = latency + bytes / bandwidth``
+through the two points gives both, the bytes counted as ``gt.comm_stats()`` counts them (the most
+any one rank sends). The kernels and the host's dispatch are timed by kernel_timing.py. Each
+figure is a median, agreed over the ranks. The result -- ``links``, and the machine as a
+:class:`~.devices.Device` -- is cached per backend and world size for the process:
+``gt.nn.auto_plan`` plans and predicts with it, and without one with :data:`DEFAULT`. Every rank
+calls it (it runs collectives).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -21,25 +25,32 @@ from ...comm import comm_stats, get_world
 from ...placement import Placement
 from ...sbp import broadcast, partial_sum, split
 from ...tensor import GlobalTensor
+from .devices import CPU_LINK, THIS_CPU, Device, Link
+from .kernel_timing import fitted_device, host_op_seconds, kernel_points, line, typical
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 
-@dataclass(frozen=True)
-class LinkCost:
-    latency: float          # seconds per collective
-    bandwidth: float        # bytes per second, of the bytes the busiest rank sends
-
-    def seconds(self, nbytes: int) -> float:
-        return self.latency + nbytes / self.bandwidth
+#: seconds of host dispatch per global op before a calibration: what this machine's calibrations give
+HOST_OP_SECONDS = 15e-6
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per collective kind, its latency and bandwidth; ``backend`` and ``world_size`` say where."""
+    """Per collective kind, its latency and bandwidth (``links``); this machine's kernels
+    (``compute``, a Device whose links are not used) and ``host_op_seconds``; ``backend`` and
+    ``world_size`` say where it was measured."""
     backend: str
     world_size: int
-    links: Dict[str, LinkCost] = field(default_factory=dict)
+    links: Dict[str, Link] = field(default_factory=dict)
+    compute: Device = THIS_CPU
+    host_op_seconds: float = HOST_OP_SECONDS
+
+    @property
+    def device(self) -> Device:
+        """This machine as a Device: its measured kernels and, per collective kind, its measured link."""
+        return self.compute.with_links({k: self.links.get(k) or DEFAULT.links[k] for k in KINDS},
+                                       max(self.world_size, 2))
 
     def seconds(self, kind: str, nbytes: int) -> float:
         """The modelled time of one collective of ``kind`` whose busiest rank sends ``nbytes``."""
@@ -47,14 +58,16 @@ class Calibration:
         return link.seconds(nbytes)
 
     def to_dict(self) -> dict:
+        c = self.compute
         return {"backend": self.backend, "world_size": self.world_size,
-                "links": {k: {"latency": v.latency, "bandwidth": v.bandwidth} for k, v in self.links.items()}}
+                "links": {k: {"latency": v.latency, "bandwidth": v.bandwidth} for k, v in self.links.items()},
+                "compute": {"matmul_rate": {str(d): v for d, v in c.rate.items()}, "matmul_latency": c.matmul_latency,
+                            "memory_bandwidth": c.memory_bandwidth, "op_latency": c.op_latency},
+                "host_op_seconds": self.host_op_seconds}
 
 
-#: The model without a calibration: the bytes (at 10 GB/s), each collective counting as 1 KB more --
-#: a tie-breaker toward fewer collectives, not a latency: the plans then minimise bytes, and a
-#: calibration tells when a collective's latency is worth bytes.
-DEFAULT = Calibration("default", 0, {k: LinkCost(1e-7, 10e9) for k in KINDS})
+#: The model without a calibration: THIS_CPU's kernels and its gloo link for every collective kind.
+DEFAULT = Calibration("default", 0, {k: CPU_LINK for k in KINDS})
 
 _CACHE: Dict[tuple, Calibration] = {}
 
@@ -85,14 +98,15 @@ def calibrate(small: int = 16 * 1024, large: int = 4 * 2 ** 20, repeats: int = 5
     if world.size < 2:
         raise ValueError(f"calibrate: needs a world of 2 or more ranks to measure collectives, got {world.size}")
     points = {kind: [_measure(kind, ranks, n, repeats) for n in (small, large)] for kind in KINDS}
-    times = _agreed([t for kind in KINDS for _, t in points[kind]])
+    kernels = kernel_points(repeats)
+    host = host_op_seconds(ranks, repeats)
+    times = _agreed([t for kind in KINDS for _, t in points[kind]] + [t for _, t in kernels.values()] + [host])
     links = {}
     for k, kind in enumerate(KINDS):
         (b1, _), (b2, _) = points[kind]
-        t1, t2 = times[2 * k], times[2 * k + 1]
-        bandwidth = (b2 - b1) / max(t2 - t1, 1e-9)
-        links[kind] = LinkCost(max(t1 - b1 / bandwidth, 0.0), bandwidth)
-    result = Calibration(_backend(world), world.size, links)
+        links[kind] = Link(*line(b1, times[2 * k], b2, times[2 * k + 1]))
+    agreed = {name: (work, times[2 * len(KINDS) + j]) for j, (name, (work, _)) in enumerate(kernels.items())}
+    result = Calibration(_backend(world), world.size, links, fitted_device(agreed), times[-1])
     _CACHE[(result.backend, result.world_size)] = result
     return result
 
@@ -117,8 +131,14 @@ _CONVERSIONS = {             # kind -> (source sbp, target sbp, target ranks rot
 }
 
 
+#: the compute burst before each timed collective: matmuls of this side, this many (about a
+#: millisecond here); each timing is the mean of this many bursts
+_BURST_SIDE, _BURST_MATMULS, _BURSTS = 128, 32, 4
+
+
 def _measure(kind: str, ranks: list, nbytes: int, repeats: int) -> tuple:
-    """(bytes the busiest rank sends, fastest seconds) of the conversion that runs ``kind``."""
+    """(bytes the busiest rank sends, seconds) of the conversion that runs ``kind``: the median of a
+    compute burst followed by it, less the median of the burst alone."""
     src_sbp, dst_sbp, rotated = _CONVERSIONS[kind]
     p = len(ranks)
     side = max(p, int((nbytes // 4) ** 0.5) // p * p)
@@ -132,9 +152,14 @@ def _measure(kind: str, ranks: list, nbytes: int, repeats: int) -> tuple:
     x.to_global(placement=target, sbp=dst_sbp)            # first call: groups and plans made
     with comm_stats() as st:
         x.to_global(placement=target, sbp=dst_sbp)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    a = torch.ones(_BURST_SIDE, _BURST_SIDE)
+
+    def burst():
+        for _ in range(_BURST_MATMULS):
+            torch.mm(a, a)
+
+    def burst_then_collective():
+        burst()
         x.to_global(placement=target, sbp=dst_sbp)
-        best = min(best, time.perf_counter() - start)
-    return st.bytes_sent, best
+    steady = 2 * repeats + 1                  # a collective's time varies more than a kernel's
+    return st.bytes_sent, max(typical(burst_then_collective, steady, _BURSTS) - typical(burst, steady, _BURSTS), 0.0)

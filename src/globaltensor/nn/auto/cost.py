@@ -5,12 +5,18 @@ candidate's layouts whose pieces are meta tensors (shapes, no data), on a simula
 placement's size; the step runs (forward and backward: every rule, signature and boxing plan as in a
 real run, data-parallel gradients reduced in buckets as ``distribute_module`` sets them up), then the
 optimizer's reads -- each gradient boxed to its parameter's layout, or with ZeRO reduce-scattered to
-the shard and the updated shards all-gathered. ``gt.comm_profile`` records every
-collective with its module and phase; memory per rank is the parameters, gradients and optimizer
-state of the layouts, plus the peak of the activations alive during the step (the pieces of every
-global tensor the step made, views not counted again). The modelled time is each collective's
-``latency + bytes / bandwidth`` (gt.calibrate()). A step that reads values on the host (a mask's
-``if mask.all():``) has them from one real run of it on one device, replayed in every meta run.
+the shard and the updated shards all-gathered. ``gt.comm_profile`` records every collective with
+its module and phase. Memory per rank is the parameters and optimizer state of the layouts, plus
+the peak of what the step makes alive: the storages of every tensor each rank's ops and
+collectives make -- global tensors' pieces, a kernel's temporaries, gradient buckets -- each
+storage once, from when it is made to when nothing holds it (activations, and gradients as they
+appear); the parts give the gradients' bytes and the rest of that peak as activations. Every
+kernel each rank runs is tallied with its flops or bytes (compute.py), and the optimizer's update
+as memory-bound kernels over the pieces it steps; the step's modelled time is its prediction
+(predict.py) on the planning device -- this machine as ``gt.calibrate()`` measured it, or a named
+one. A step that reads values on the
+host (a mask's ``if mask.all():``) has them from one real run of it on one device, replayed in
+every meta run.
 """
 from __future__ import annotations
 
@@ -26,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...boxing import Layout
-from ...comm import simulate
+from ...comm import set_world
 from ...observe import comm_profile
-from ...observe.context import run_labelled
+from ...observe.context import current_label, run_labelled
 from ...observe.where import user_frame
 from ...placement import Placement
 from ...ops.schema.op_record import record
@@ -36,16 +42,21 @@ from ...tensor import GlobalTensor, observe_creation
 from ..grad_buckets import bucket_gradients
 from ..moe import expert_parallel_applied
 from ..zero import shard_sbp
+from .compute import RANK, ComputeTally, TallyingWorld, tag_pieces, tensors_in
+from .devices import Device
+from .predict import predict_cost
 
 
 @dataclass
 class Cost:
     bytes: int                          # the most any rank sends in the step
     collectives: int
-    seconds: float                      # modelled: latency + bytes / bandwidth per collective
+    seconds: float                      # the predicted step on the planning device (predict.py)
     memory: int                         # the most any rank holds: parameters, gradients, state, activations
     memory_parts: Dict[str, int] = field(default_factory=dict)
     events: list = field(default_factory=list, repr=False)      # gt.comm_profile's CommEvents
+    tally: Optional[ComputeTally] = field(default=None, repr=False)
+    memory_by_rank: Dict[int, int] = field(default_factory=dict, repr=False)
 
 
 def meta_global(shape, dtype, placement: Placement, nd: tuple, world) -> GlobalTensor:
@@ -131,22 +142,36 @@ class MemoizedMeta(TorchDispatchMode):
     pointwise ops were most of an evaluation's time). Global ops pass through to their own dispatch,
     whose piece ops come back here."""
 
-    def __init__(self, reads: Optional[list] = None):
+    def __init__(self, reads: Optional[list] = None, tally: Optional[ComputeTally] = None,
+                 world: Optional[TallyingWorld] = None, module: Callable[[], str] = lambda: ""):
         super().__init__()
         self.results: dict = {}
         self.reads = None if reads is None else iter(reads)
+        self.tally, self.world, self.module = tally, world, module
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in HOST_READS:
             return self._read(func)
         if any(issubclass(t, GlobalTensor) for t in types):
+            if self.tally is not None:
+                self.tally.global_op(args, kwargs)
             with self:
                 return GlobalTensor.__torch_dispatch__(func, types, args, kwargs)
         if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "meta" or \
                 isinstance(kwargs.get("device"), str):
             kwargs = dict(kwargs, device=_META)
         key = self._key(func, args, kwargs)
+        out = self._run(func, args, kwargs, key)
+        if self.tally is not None and not self.world.busy:
+            self.tally.piece_op(func, args, kwargs, out, current_label()[1], self.module(), key)
+            live = self.world.live
+            for t in tensors_in(out) if live is not None else ():
+                if RANK in t.__dict__:
+                    live.made(t.__dict__[RANK], t)
+        return out
+
+    def _run(self, func, args, kwargs, key):
         if key is None:
             return _meta_call(func, args, kwargs)
         made = self.results.get(key)
@@ -228,30 +253,48 @@ def _remade(v):
 
 
 class LiveBytes:
-    """The bytes per rank of the pieces of global tensors alive, and their peak (views not counted)."""
+    """The bytes per rank of the storages of the tensors alive, and their peak: a storage counts once
+    however many tensors -- views, aliases, detached twins -- sit on it. :meth:`created` takes a
+    global tensor's pieces; :meth:`made` one rank's tensor (a meta run's temporaries and buffers)."""
 
     def __init__(self):
         self.now: Dict[int, int] = defaultdict(int)
         self.peak: Dict[int, int] = defaultdict(int)
+        self._holders: Dict[tuple, int] = {}      # (rank, storage) -> tensors alive on it
+        self._sizes: Dict[tuple, int] = {}
 
     def created(self, t: GlobalTensor) -> None:
-        sizes = {r: p.numel() * p.element_size() for r, p in t._pieces.items() if p._base is None}
-        for r, b in sizes.items():
-            self.now[r] += b
-            self.peak[r] = max(self.peak[r], self.now[r])
-        weakref.finalize(t, self._freed, sizes)
+        for r, piece in t._pieces.items():
+            self.made(r, piece)
 
-    def _freed(self, sizes: dict) -> None:
-        for r, b in sizes.items():
-            self.now[r] -= b
+    def made(self, rank: int, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = (rank, storage._cdata)
+        if key not in self._holders:
+            self._holders[key], self._sizes[key] = 0, storage.nbytes()
+            self.now[rank] += self._sizes[key]
+            self.peak[rank] = max(self.peak[rank], self.now[rank])
+        self._holders[key] += 1
+        weakref.finalize(t, self._freed, key)
 
-    @contextlib.contextmanager
-    def watching(self) -> Iterator["LiveBytes"]:
-        previous = observe_creation(self.created)
-        try:
-            yield self
-        finally:
-            observe_creation(previous)
+    def _freed(self, key: tuple) -> None:
+        self._holders[key] -= 1
+        if not self._holders[key]:
+            del self._holders[key]
+            self.now[key[0]] -= self._sizes.pop(key)
+
+
+@contextlib.contextmanager
+def observing_creation(*observers: Callable) -> Iterator[None]:
+    """Within, every global tensor made is given to each of ``observers``."""
+    def created(t: GlobalTensor) -> None:
+        for observe in observers:
+            observe(t)
+    previous = observe_creation(created)
+    try:
+        yield
+    finally:
+        observe_creation(previous)
 
 
 def _per_rank_bytes(layouts: List[Layout], factor: int = 1) -> Dict[int, int]:
@@ -268,14 +311,17 @@ def _per_rank_bytes(layouts: List[Layout], factor: int = 1) -> Dict[int, int]:
 
 def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Dict[str, tuple],
              buffers: Dict[str, tuple], args: list, step: Callable, zero_axis, state_factor: int,
-             calibration, expert_axis=None, reads: Optional[list] = None) -> Cost:
+             calibration, expert_axis=None, reads: Optional[list] = None, device: Optional[Device] = None) -> Cost:
     """The cost of one step of ``model`` with parameters and buffers laid out as given (``{name:
     nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``; ``expert_axis``: the MoE experts'
     tokens sent to their experts over that axis (their routing modelled as even); ``reads``: the
-    values the step's host reads take (:func:`record_host_reads`)."""
+    values the step's host reads take (:func:`record_host_reads`); its time predicted on ``device``
+    (None: this machine, as ``calibration`` measured it)."""
     named_params = dict(model.named_parameters())
     named_buffers = dict(model.named_buffers())
-    with simulate(world_size) as world:
+    world = TallyingWorld(world_size)
+    previous = set_world(world)
+    try:
         metas = {}
         param_layouts = {}
         for name, t in named_params.items():
@@ -284,14 +330,20 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
             param_layouts[name] = g
         for name, t in named_buffers.items():
             metas[id(t)] = meta_global(t.shape, t.dtype, placement, buffers[name], world)
+        for g in metas.values():
+            tag_pieces(g)
         inputs = [meta_global(shape, dtype, placement, nd, world) for shape, dtype, nd in args]
-        live = LiveBytes()
+        for g in inputs:
+            tag_pieces(g)
+        live, tally = LiveBytes(), ComputeTally()
+        world.live = live
         if zero_axis is not None:              # as ZeroOptimizer marks them: buckets reduce-scatter to the shards
             for g in param_layouts.values():
                 g._sharded_grad = shard_sbp(g, zero_axis)
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
         try:
-            with swapped(model, metas), comm_profile(model) as prof, live.watching(), MemoizedMeta(reads), \
+            with swapped(model, metas), comm_profile(model) as prof, observing_creation(live.created, tag_pieces), \
+                    MemoizedMeta(reads, tally, world, prof.tracker.current), \
                     _experts(model, placement, expert_axis):
                 step(model, *inputs)
                 del inputs
@@ -302,27 +354,41 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
         weights = [g.layout_meta for g in param_layouts.values()]
         states = [g.layout_meta if zero_axis is None else
                   g.layout_meta.with_sbp(shard_sbp(g, zero_axis)) for g in param_layouts.values() if g.requires_grad]
-    parts = {"parameters": _per_rank_bytes(weights), "gradients": _per_rank_bytes(grads),
-             "optimizer state": _per_rank_bytes(states, state_factor), "activations": dict(live.peak)}
+    finally:
+        set_world(previous)
+    _optimizer_update(tally, states, state_factor)
     ranks = placement.rank_list()
-    memory = max(sum(part.get(r, 0) for part in parts.values()) for r in ranks)
-    seconds = _seconds(prof.events, ranks, calibration)
-    return Cost(prof.bytes_sent, prof.count, seconds, memory,
-                {k: max(v.get(r, 0) for r in ranks) for k, v in parts.items()}, list(prof.events))
+    # ZeroOptimizer keeps, beside the state, each parameter's shard and the shard's gradient (held from
+    # one step to the next zero_grad): two more shard-sized tensors
+    held = state_factor if zero_axis is None else state_factor + 2
+    resident = {"parameters": _per_rank_bytes(weights), "optimizer state": _per_rank_bytes(states, held)}
+    by_rank = {r: sum(part.get(r, 0) for part in resident.values()) + live.peak.get(r, 0) for r in ranks}
+    gradients = _per_rank_bytes(grads)
+    parts = {**resident, "gradients": gradients,
+             "activations": {r: max(live.peak.get(r, 0) - gradients.get(r, 0), 0) for r in ranks}}
+    cost = Cost(prof.bytes_sent, prof.count, 0.0, max(by_rank.values()),
+                {k: max(v.get(r, 0) for r in ranks) for k, v in parts.items()}, list(prof.events), tally, by_rank)
+    cost.seconds = predict_cost(cost, ranks, device or calibration.device, calibration.host_op_seconds).seconds
+    return cost
+
+
+OPTIMIZER = "(optimizer step)"
+
+
+def _optimizer_update(tally: ComputeTally, states: List[Layout], state_factor: int) -> None:
+    """The optimizer's update on each rank's pieces, memory-bound: per piece one kernel for the
+    parameter and two per state tensor (its update, its use), reading the gradient, the parameter
+    and the states and writing the parameter and the states."""
+    kernels = 1 + 2 * state_factor
+    for lay in states:
+        for r, nbytes in _per_rank_bytes([lay]).items():
+            work = tally.kernels[r][("memory", lay.dtype, "optimizer", OPTIMIZER)]
+            for _ in range(kernels):
+                work.add(0, nbytes * (3 + 2 * state_factor) // kernels)
 
 
 def _experts(model: nn.Module, placement: Placement, axis):
     return contextlib.nullcontext() if axis is None else expert_parallel_applied(model, placement, axis)
-
-
-def _seconds(events, ranks, calibration) -> float:
-    """The busiest rank's modelled time: each collective it takes part in costs it its latency plus the
-    bytes it sends over the bandwidth (collectives of disjoint groups run side by side)."""
-    per_rank: Dict[int, float] = defaultdict(float)
-    for e in events:
-        for r in e.group:
-            per_rank[r] += calibration.seconds(e.collective, e.bytes_per_rank.get(r, 0))
-    return max((per_rank[r] for r in ranks), default=0.0)
 
 
 def _optimizer_reads(params: Dict[str, GlobalTensor], zero_axis) -> None:

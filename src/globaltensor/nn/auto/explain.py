@@ -1,5 +1,6 @@
 """``AutoPlan.explain()``: the chosen layouts per module, what each module's collectives cost forward and
-backward, memory per rank, and the best alternatives -- data parallel, Megatron, ZeRO -- beside it."""
+backward, memory per rank, and the best alternatives -- data parallel, Megatron, ZeRO -- beside it,
+each with its predicted step and that step's compute, communication and host dispatch."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -52,15 +53,25 @@ def explain(plan) -> str:
     limit = f" (limit {plan.memory_limit:,})" if plan.memory_limit is not None else ""
     lines.append(f"memory per rank: {chosen.cost.memory:,} bytes{limit}: {parts}")
     lines.append("")
-    lines.append(_row(["layout", "bytes a step", "collectives", "modelled ms", "memory per rank", ""]))
-    lines.append(_row(["---"] * 6))
+    lines.append(_row(["layout", "bytes a step", "collectives", "predicted ms", "compute / communication / host ms",
+                       "memory per rank", ""]))
+    lines.append(_row(["---"] * 7))
     shown = _alternatives(plan)
     for o in shown:
         fits = plan.memory_limit is None or o.cost.memory <= plan.memory_limit
         mark = "chosen" if o is chosen else ("" if fits else "over the memory limit")
         lines.append(_row([o.candidate.name, f"{o.cost.bytes:,}", str(o.cost.collectives),
-                           f"{o.cost.seconds * 1e3:.3f}", f"{o.cost.memory:,}", mark]))
+                           f"{o.cost.seconds * 1e3:.3f}", _parts_ms(plan, o), f"{o.cost.memory:,}", mark]))
     return "\n".join(lines)
+
+
+def _parts_ms(plan, option) -> str:
+    """The option's predicted compute, communication shown and host dispatch, on the plan's device;
+    "-" for a plan loaded from a dict (it keeps no tallies)."""
+    if option.cost.tally is None:
+        return "-"
+    p = plan.predict(option=option)
+    return f"{p.compute * 1e3:.3f} / {p.communication * 1e3:.3f} / {p.host * 1e3:.3f}"
 
 
 def _alternatives(plan) -> list:

@@ -6,14 +6,17 @@
     gt.nn.distribute_module(model, placement, plan)                  # the plan is a plan
     idx, targets = (gt.distribute(a, placement, sbp) for a, sbp in zip((idx, targets), plan.inputs))
     opt = plan.optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # ZeroOptimizer where it chose ZeRO
+    print(plan.predict().table())          # step time, tokens/s, MFU, peak memory per rank, where the time goes
 
 The search (candidates.py) gives each placement axis a role -- data, tensor (Megatron pairs read
 off the modules, fused layers as blocked splits), FSDP, sequence -- with or without ZeRO's split
 optimizer state and a vocabulary-parallel head; it runs the step once per candidate through the
 dispatcher on meta pieces (cost.py: every op's signature chosen by its rule as in a real run,
-every collective counted) and keeps the candidate of least modelled time (each collective's latency
-plus bytes over bandwidth, from ``gt.calibrate()`` or its defaults) whose memory per rank --
-parameters, gradients, optimizer state, peak activations -- fits ``memory_limit``. Ties go to fewer
+every collective counted, every kernel's flops or bytes tallied per rank) and keeps the candidate of
+least predicted step time (predict.py: compute, communication and host dispatch, on this machine as
+``gt.calibrate()`` measured it -- or its defaults -- or on a named ``device``) whose memory per rank
+-- parameters, gradients, optimizer state, peak activations -- fits ``memory_limit`` (for a named
+device, by default, its memory). Ties go to fewer
 bytes, then to the earlier candidate (data parallel first). The plan serves eager and compiled
 steps alike. Plans are cached by the model's structure, the placement, the arguments' meta, the
 step, the limit and the calibration.
@@ -36,7 +39,9 @@ from ...sbp import broadcast, nd_from_list, nd_to_list
 from ...tensor import GlobalTensor
 from .candidates import Candidate, candidates, input_layout, is_linear, parameter_layouts
 from .cost import Cost, NeedsHostReads, evaluate, record_host_reads
+from .devices import Device, device_named
 from .explain import explain
+from .predict import Prediction, predict_cost
 from ..zero import ZeroOptimizer
 
 #: optimizer state per parameter element, in parameters' worth: Adam and its kin keep two moments
@@ -79,8 +84,10 @@ class AutoPlan(Mapping):
     ``zero_axis`` (the data axis to split the optimizer state over, or None), the chosen option's
     ``cost`` and every costed ``options``."""
 
-    def __init__(self, placement: Placement, chosen: Option, options: List[Option], memory_limit: Optional[int]):
+    def __init__(self, placement: Placement, chosen: Option, options: List[Option], memory_limit: Optional[int],
+                 device: Optional[Device] = None, tokens: Optional[int] = None, dtype: torch.dtype = torch.float32):
         self.placement, self.chosen, self.options, self.memory_limit = placement, chosen, options, memory_limit
+        self.device, self.tokens, self.dtype = device, tokens, dtype
         self._layouts = {**chosen.buffers, **chosen.params}
 
     # -- the plan, as distribute_module reads it ----------------------------------------------
@@ -117,6 +124,23 @@ class AutoPlan(Mapping):
         if self.zero_axis is None:
             return optimizer_class(params, **kwargs)
         return ZeroOptimizer(params, optimizer_class, axis=self.zero_axis, **kwargs)
+
+    # -- prediction -------------------------------------------------------------------------
+    def predict(self, device=None, option: Optional[Option] = None, tokens: Optional[int] = None) -> Prediction:
+        """The chosen layout's (or ``option``'s) predicted step: time, tokens/s, MFU, peak memory per
+        rank, and where the time goes. ``device``: a Device or a name ("H100", "H200", "A100"); None:
+        the device the plan was made for (this machine, as ``gt.calibrate()`` measured it, unless
+        ``auto_plan(device=)`` named one). ``tokens``: a step's tokens (default: the elements of the
+        first integer example argument, the token ids)."""
+        option = option or self.chosen
+        if option.cost.tally is None:
+            raise ValueError("AutoPlan.predict: this plan was loaded with from_dict, which keeps the costs but not "
+                             "the tallies a prediction is made from; plan again with auto_plan")
+        cal = current_calibration()
+        target = device_named(device) or self.device or cal.device
+        flops = self.options[0].cost.tally.model_flops          # data parallel's, summed: one device's
+        return predict_cost(option.cost, self.placement.rank_list(), target, cal.host_op_seconds,
+                            tokens if tokens is not None else self.tokens, flops, self.dtype)
 
     # -- explanation ------------------------------------------------------------------------
     def explain(self) -> str:
@@ -157,21 +181,25 @@ def _option_from_dict(o: dict) -> Option:
 # -- the search ---------------------------------------------------------------------------------
 
 def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *, step: Optional[Callable] = None,
-              memory_limit: Optional[int] = None, optimizer=None) -> AutoPlan:
+              memory_limit: Optional[int] = None, optimizer=None, device=None) -> AutoPlan:
     """Choose each parameter's and input's SBP for ``model`` on ``placement`` (see the module's docstring).
 
     ``example_args``: the step's arguments -- plain or global tensors (their shape and dtype count,
     not their layout), or shapes (float32). ``step(model, *args)``: a training step (its forward and
     backward; default: the output summed, backward). ``memory_limit``: bytes per rank for
     parameters, gradients, optimizer state and peak activations. ``optimizer``: the optimizer
-    class the step uses (its state's size; default Adam's two moments)."""
+    class the step uses (its state's size; default Adam's two moments). ``device``: the device the
+    job will run on, a Device or a name ("H100", "H200", "A100"; its memory the default limit);
+    None: this machine, as ``gt.calibrate()`` measured it."""
     _check(model, placement, example_args, step, memory_limit)
     step = step or default_step
+    target = device_named(device)
+    if memory_limit is None and target is not None:
+        memory_limit = target.memory
     args = [_arg_meta(a) for a in example_args]
     state_factor = _state_factor(optimizer)
     cal = current_calibration()
-    key = (_structure(model), placement, tuple(args), step, memory_limit, state_factor,
-           tuple(sorted((k, v.latency, v.bandwidth) for k, v in cal.links.items())))
+    key = (_structure(model), placement, tuple(args), step, memory_limit, state_factor, repr(target), repr(cal))
     plan = _CACHE.get(key)
     if plan is not None:
         return plan
@@ -191,7 +219,7 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         def run():
             return evaluate(model, placement, world_size, params, buffers,
                             [(shape, dtype, nd) for (shape, dtype), nd in zip(args, inputs)], step, zero_axis,
-                            state_factor, cal, candidate.expert_axis, reads[0] if reads else None)
+                            state_factor, cal, candidate.expert_axis, reads[0] if reads else None, target)
         try:
             cost = run()
         except NeedsHostReads as needed:
@@ -216,8 +244,17 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         twin = cost_of(replace(chosen.candidate, balanced=True), order)
         options.append(twin)
         chosen = balanced_or(chosen, twin, memory_limit)
-    plan = _CACHE[key] = AutoPlan(placement, chosen, options, memory_limit)
+    tokens = next((_numel(shape) for shape, dtype in args if not dtype.is_floating_point), None)
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    plan = _CACHE[key] = AutoPlan(placement, chosen, options, memory_limit, target, tokens, dtype)
     return plan
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 BALANCED_SLACK = 0.01
