@@ -38,6 +38,7 @@ S, B = gt.sbp.split, gt.sbp.broadcast
 HOWTO = ROOT / "docs" / "howto.md"
 PROFILING = ROOT / "docs" / "profiling.md"
 MODELS = ROOT / "docs" / "models.md"
+PLANNING = ROOT / "docs" / "planning.md"
 
 
 def _fence(text: str, lang: str = "") -> str:
@@ -192,6 +193,19 @@ def peer_plans() -> str:
     return "\n".join(out)
 
 
+def megatron_mfu() -> str:
+    """docs/planning.md's Megatron-LM table, published against predicted (benchmarks/published_runs.py:
+    plan_at_scale's model, arithmetic alone, one constant calibrated on one row)."""
+    import published_runs
+    return published_runs.megatron_table()
+
+
+def megatron_calibration() -> str:
+    """Each row of the Megatron-LM table as the calibration row, and the others' errors."""
+    import published_runs
+    return published_runs.calibration_sensitivity()
+
+
 REGIONS: Dict[str, Tuple[Path, Callable[[], str]]] = {
     "style-bytes": (HOWTO, style_bytes),
     "explain": (HOWTO, explain),
@@ -202,6 +216,8 @@ REGIONS: Dict[str, Tuple[Path, Callable[[], str]]] = {
     "compiled-profile": (PROFILING, compiled_profile),
     "log-example": (PROFILING, log_example),
     "models-bytes": (MODELS, models_table),
+    "megatron-mfu": (PLANNING, megatron_mfu),
+    "megatron-calibration": (PLANNING, megatron_calibration),
 }
 
 

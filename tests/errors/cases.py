@@ -47,6 +47,10 @@ def _partial_style():
                                                                    desired_output_layouts=Partial())})
 
 
+def _SMALL_SHAPE():
+    return gnn.TransformerShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq=16)
+
+
 def p4():
     return gt.placement("cpu", [0, 1, 2, 3])
 
@@ -421,6 +425,16 @@ CASES = {
     "auto-plan-device": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], device="TPU"),
     "auto-plan-predict-loaded": lambda: gnn.AutoPlan.from_dict(gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)])
                                                                 .to_dict()).predict(),
+    "scale-shape-heads": lambda: gnn.TransformerShape(layers=2, hidden=64, heads=6, kv_heads=6, ffn=256, vocab=100,
+                                                      seq=16),
+    "scale-shape-moe": lambda: gnn.TransformerShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100,
+                                                    seq=16, experts=8, top_k=0, expert_ffn=128),
+    "scale-shape-config": lambda: gnn.TransformerShape.of(nn.Linear(4, 4), seq=16),
+    "scale-plan-shape": lambda: gnn.plan_at_scale("llama", gpus=8, global_batch=8),
+    "scale-plan-device": lambda: gnn.plan_at_scale(_SMALL_SHAPE(), gpus=8, global_batch=8, device=None),
+    "scale-plan-no-fit": lambda: gnn.plan_at_scale(_SMALL_SHAPE(), gpus=8, global_batch=8, memory_limit=1),
+    "scale-plan-layout": lambda: gnn.plan_at_scale(_SMALL_SHAPE(), gpus=8, global_batch=8).predict(
+        gnn.ScaleLayout(dp=4)),
     "calibrate-argument": lambda: gt.calibrate(small=0),
     "calibrate-sizes": lambda: gt.calibrate(small=4096, large=1024),
     "calibrate-world": _calibrate_one_rank,

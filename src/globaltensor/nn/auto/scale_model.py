@@ -1,0 +1,265 @@
+"""A training step's time and memory at scale, from a transformer's shape and a layout of degrees.
+
+Where ``auto_plan`` runs the step once per candidate on a simulated world of the placement's size,
+this model costs a layout of thousands of GPUs on one representative rank per role -- a rank of the
+first pipeline stage (which holds the most micro-batches' activations) and one of the last (which
+also computes the head) -- with the world's size a parameter. Megatron-LM's layout is assumed:
+tensor parallelism within a node with sequence parallelism (the activations between blocks split
+over the tensor ranks), context parallelism as ring attention, experts over ``ep`` of the data
+ranks, 1F1B pipelining (interleaved over ``virtual`` chunks a stage), mixed precision (bf16
+weights, activations and gradient reductions; float32 gradients, master weights and Adam's
+moments), the optimizer state split over the data and context ranks (``zero=1``: Megatron's
+distributed optimizer) or, with ``zero=3``, the weights and gradients too (FSDP).
+
+Per micro-batch and block, on a rank (``tok = micro_batch · seq / cp`` tokens):
+
+- matmuls: the block's projections over ``tok`` tokens, divided by ``tp``; attention over the whole
+  sequence (causal: half its blocks done); an MoE block's router and ``top_k`` experts a token
+  (routing even); the backward twice the forward, full recomputation one forward more;
+- memory-bound kernels: norms, residuals, rotary and the MLP's activation read and write the hidden
+  state about 8 times and the MLP's width 3 times a token (``MEMORY_PASSES``), divided by ``tp``;
+- tensor parallelism: 2 all-gathers and 2 reduce-scatters of the hidden state forward and again
+  backward, within the node, hidden under the block's matmuls where the device overlaps;
+- context parallelism: the ring's key/value blocks, hidden under attention;
+- expert parallelism: 2 all-to-alls of the routed tokens forward and 2 backward;
+- FSDP: each block's weights gathered forward and backward and its gradients reduce-scattered,
+  every micro-batch, hidden under the block's compute.
+
+A stage's micro-batch is its blocks' sum and the head's (the slowest stage: the last); the step is
+``m + (pp - 1) / virtual`` of them (``m`` micro-batches a step: 1F1B's bubble), the sends between
+stages, the data-parallel reduce-scatter of the gradients and all-gather of the weights -- hidden
+under the last micro-batch's backward and the first one's forward where the device overlaps -- and
+the optimizer's update of the rank's shard.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
+
+import torch
+
+from .devices import Device
+from .predict import Prediction
+from .transformer_shape import TransformerShape
+
+MEMORY_PASSES = (8, 3)           # reads and writes of (the hidden state, the MLP's width) a token and block
+GRAD_BYTES = 4                   # float32 gradients kept
+REDUCE_BYTES = 2                 # reduced in bf16 (Megatron-core's default: grad_reduce_in_fp32 off)
+MASTER_BYTES = 12                # float32 master weights and Adam's two moments, per parameter
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """Degrees of a layout: ``dp`` x ``tp`` x ``pp`` x ``cp`` ranks (``ep`` of the data ranks share
+    the experts), ``micro_batch`` sequences a micro-batch, ``virtual`` chunks a pipeline stage,
+    ``recompute`` ("none" or "full": every block's activations recomputed in its backward) and
+    ``zero`` (1: the optimizer state split over the data and context ranks; 3: weights and
+    gradients too)."""
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    virtual: int = 1
+    recompute: str = "none"
+    zero: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def micro_batches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def problem(self, shape: TransformerShape, gpus: int, global_batch: int, per_node: int) -> Optional[str]:
+        """Why the layout cannot run ``shape`` on ``gpus`` at ``global_batch`` sequences a step, or None."""
+        if self.gpus != gpus:
+            return f"dp x tp x pp x cp = {self.gpus}, not {gpus}"
+        if self.tp > per_node or shape.heads % self.tp:
+            return f"tp={self.tp} is not within a node of {per_node} or does not divide {shape.heads} heads"
+        if self.pp * self.virtual > shape.layers or self.virtual > 1 and self.pp == 1:
+            return f"pp={self.pp} x virtual={self.virtual} chunks for {shape.layers} layers"
+        if self.cp > 1 and shape.seq % (2 * self.cp):
+            return f"cp={self.cp} does not split {shape.seq} positions into balanced halves"
+        if self.ep > 1 and (not shape.experts or shape.experts % self.ep or (self.dp * self.cp) % self.ep):
+            return f"ep={self.ep} does not divide the experts and the data ranks"
+        if global_batch % (self.dp * self.micro_batch):
+            return f"{global_batch} sequences do not split into micro-batches of {self.micro_batch} over dp={self.dp}"
+        if self.pp > 1 and self.micro_batches(global_batch) < self.pp:
+            return f"{self.micro_batches(global_batch)} micro-batches cannot fill {self.pp} stages"
+        if self.recompute not in RECOMPUTE or self.zero not in (1, 3):
+            return f"recompute={self.recompute!r} (expected one of {RECOMPUTE}), zero={self.zero} (expected 1 or 3)"
+        return None
+
+    def text(self) -> str:
+        return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
+                + f", micro-batch {self.micro_batch}" + (f", {self.virtual} chunks a stage" if self.virtual > 1 else "")
+                + (", full recompute" if self.recompute == "full" else "") + (", FSDP" if self.zero == 3 else ""))
+
+
+class _Costs:
+    """Seconds by kind on a rank, on ``device``."""
+
+    def __init__(self, device: Device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.by_kind: Dict[str, float] = {}
+
+    def add(self, kind: str, seconds: float) -> float:
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
+        return seconds
+
+    def matmuls(self, flops: float, kernels: int) -> float:
+        return self.add("matmul", kernels * self.device.matmul_latency + flops / self.device.matmul_rate(self.dtype))
+
+    def attention(self, flops: float, kernels: int) -> float:
+        d = self.device
+        rate = d.matmul_rate(self.dtype) * d.attention_fraction
+        return self.add("attention", kernels * d.matmul_latency + flops / rate)
+
+    def memory(self, nbytes: float, kernels: int) -> float:
+        return self.add("memory", kernels * self.device.op_latency + nbytes / self.device.memory_bandwidth)
+
+    def collective(self, whole: float, ranks: int, inside_node: bool, count: int = 1) -> float:
+        """``count`` ring collectives over ``ranks`` of a ``whole``-byte tensor: each rank sends
+        ``(ranks - 1) / ranks`` of it."""
+        if ranks <= 1 or count == 0:
+            return 0.0
+        link = self.device.intra_node if inside_node else self.device.inter_node
+        return count * (link.latency + whole * (ranks - 1) / ranks / link.bandwidth)
+
+    def busy(self) -> float:
+        """Compute and the communication that shows."""
+        return sum(v for k, v in self.by_kind.items() if k != "hidden communication")
+
+
+def _block(shape: TransformerShape, lay: ScaleLayout, device: Device, moe: bool) -> _Costs:
+    """One block's forward and backward for one micro-batch on one rank."""
+    c = _Costs(device, shape.dtype)
+    h, t, item = shape.hidden, lay.tp, shape.dtype.itemsize
+    tok = lay.micro_batch * shape.seq // lay.cp
+    kv = shape.kv_heads * shape.head_dim
+    matrices = 3 if shape.gated else 2
+    projections = 2 * tok * (h * (h + 2 * kv) + h * h) / t
+    if moe:
+        width = (shape.top_k + shape.shared_experts) * shape.expert_ffn
+        mlp = 2 * tok * matrices * h * width / t + 2 * tok * h * shape.experts
+        gemms = 4 + 1 + matrices * (1 + shape.shared_experts)
+    else:
+        width = shape.ffn
+        mlp = 2 * tok * matrices * h * width / t
+        gemms = 4 + matrices
+    passes = 3 + (1 if lay.recompute == "full" else 0)      # forward, backward (two forwards' worth), recompute
+    matmul = c.matmuls(passes * (projections + mlp), passes * gemms)
+    attention = c.attention(passes * 4 * tok * shape.seq * h / t / 2, passes * lay.cp)
+    hidden_passes, width_passes = MEMORY_PASSES
+    memory = c.memory(passes * tok * (hidden_passes * h + width_passes * width) * 2 * item / t, passes * 12)
+    tp = c.collective(tok * h * item, t, True, 8)
+    ring = c.collective(2 * tok * kv * item / t * lay.cp, lay.cp, t * lay.cp <= device.per_node, 3)
+    experts = 0.0
+    if moe and lay.ep > 1:
+        experts = c.collective(tok * shape.top_k * h * item, lay.ep, t * lay.cp * lay.ep <= device.per_node, 4)
+    fsdp = 0.0
+    if lay.zero == 3:
+        data = lay.dp * lay.cp
+        fsdp = c.collective(shape.layer_params(moe) / t * item, data, t * data <= device.per_node, 3)
+    compute = matmul + attention + memory
+    shown = experts + (max(0.0, tp - matmul) + max(0.0, ring - attention) + max(0.0, fsdp - compute)
+                       if device.overlaps else tp + ring + fsdp)
+    c.add("communication", shown)
+    c.add("hidden communication", tp + ring + fsdp + experts - shown)
+    return c
+
+
+def _head(shape: TransformerShape, lay: ScaleLayout, device: Device) -> _Costs:
+    """The head's matmul (vocabulary-parallel over the tensor ranks) and the loss, forward and backward."""
+    c = _Costs(device, shape.dtype)
+    tok = lay.micro_batch * shape.seq // lay.cp
+    c.matmuls(3 * 2 * tok * shape.hidden * shape.vocab / lay.tp, 3)
+    c.memory(3 * tok * shape.vocab / lay.tp * 4 * 2, 6)
+    return c
+
+
+def _rank_params(shape: TransformerShape, lay: ScaleLayout, stage_layers: int, moe_fraction: float) -> float:
+    """The weights a rank of a stage holds (before ZeRO-3's split): its blocks over the tensor ranks
+    (the experts over the expert ranks too), and the embedding or the head."""
+    dense = shape.layer_params(False) * stage_layers * (1 - moe_fraction)
+    moe = 0.0
+    if moe_fraction:
+        expert_weights = shape.experts * shape.mlp_params(shape.expert_ffn)
+        moe = (shape.layer_params(True) - expert_weights + expert_weights / lay.ep) * stage_layers * moe_fraction
+    return (dense + moe) / lay.tp + shape.vocab * shape.hidden / lay.tp
+
+
+def activations_per_block(shape: TransformerShape, lay: ScaleLayout) -> float:
+    """Bytes one block keeps for its backward per micro-batch on a rank: the inputs of its norms,
+    projections, attention and MLP (flash attention keeps no score matrix), split over the tensor
+    ranks (sequence parallelism) and the context ranks; with full recomputation only its input."""
+    tok = lay.micro_batch * shape.seq // lay.cp
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    if lay.recompute == "full":
+        return tok * h * shape.dtype.itemsize / lay.tp
+    width = shape.ffn if not shape.experts else (shape.top_k + shape.shared_experts) * shape.expert_ffn
+    kept = 4 * h + (h + 2 * kv) + 2 * h + (3 if shape.gated else 2) * width
+    return tok * kept * shape.dtype.itemsize / lay.tp
+
+
+def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int) -> Prediction:
+    """The step of ``shape`` laid out as ``lay`` on ``lay.gpus`` of ``device`` at ``global_batch``
+    sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
+    last stage's first rank, ``by_kind`` the step's seconds by kind on the last stage."""
+    m = lay.micro_batches(global_batch)
+    stage_layers = math.ceil(shape.layers / lay.pp)
+    moe_fraction = shape.moe_layers / shape.layers
+    head = _head(shape, lay, device)
+    parts = [(_block(shape, lay, device, False), stage_layers * (1 - moe_fraction)), (head, 1)]
+    if moe_fraction:
+        parts.append((_block(shape, lay, device, True), stage_layers * moe_fraction))
+    stage: Dict[str, float] = {}
+    for costs, count in parts:
+        for k, v in costs.by_kind.items():
+            stage[k] = stage.get(k, 0.0) + v * count
+    micro = sum(costs.busy() * count for costs, count in parts)
+    steps = m + (lay.pp - 1) / lay.virtual                    # 1F1B: the micro-batches and the bubble
+    by_kind = {k: v * m for k, v in stage.items()}
+    by_kind["pipeline bubble"] = (steps - m) * micro
+    c = _Costs(device, shape.dtype)
+    item = shape.dtype.itemsize
+    boundary = lay.micro_batch * shape.seq // lay.cp * shape.hidden * item / lay.tp
+    by_kind["pipeline sends"] = 2 * m * lay.virtual * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
+    params = _rank_params(shape, lay, stage_layers, moe_fraction)
+    shards = lay.dp * lay.cp
+    inside = lay.gpus <= device.per_node
+    data = 0.0
+    if lay.zero == 1:
+        grads = c.collective(params * REDUCE_BYTES, shards, inside)
+        gather = c.collective(params * item, shards, inside)
+        data = (max(0.0, grads - 2 * micro / 3) + max(0.0, gather - micro / 3) if device.overlaps
+                else grads + gather)
+        by_kind["hidden communication"] = by_kind.get("hidden communication", 0.0) + grads + gather - data
+    by_kind["data-parallel communication"] = data
+    by_kind["optimizer"] = c.memory(params / shards * (GRAD_BYTES + 2 * MASTER_BYTES + item), 8)
+    seconds = steps * micro + by_kind["pipeline sends"] + data + by_kind["optimizer"]
+    held = params / shards if lay.zero == 3 else params
+    state = held * (item + GRAD_BYTES) + params / shards * MASTER_BYTES
+    # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
+    # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one)
+    in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
+    per_block = activations_per_block(shape, lay)
+    recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute == "full" else 0.0
+    logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * 2
+    first = state + stage_layers * per_block * in_flight + recomputed
+    last = state + stage_layers * per_block + recomputed + logits
+    memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
+    tokens = global_batch * shape.seq
+    mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
+    shown = by_kind.get("communication", 0.0) + by_kind["pipeline sends"] + data
+    compute = sum(by_kind.get(k, 0.0) for k in ("matmul", "attention", "memory", "optimizer"))
+    head_s = steps * head.busy()
+    return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
+                      {"weights, gradients and optimizer state": int(state),
+                       "activations": int(stage_layers * per_block * in_flight + recomputed), "logits": int(logits)},
+                      tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
+                      {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})

@@ -1,0 +1,113 @@
+"""``gt.nn.plan_at_scale`` and its model: a transformer's shape read off a model built on the meta device,
+its flops as Megatron-LM counts them and as the meta run tallies them, and the search over every
+degree -- the chosen layout valid, fitting, and no slower than a published layout in the search."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+import globaltensor as gt
+import globaltensor.nn as gnn
+from globaltensor.nn.auto.scale_model import predict_scale
+
+LLAMA_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256)
+
+
+def _meta(model_class, config):
+    with torch.device("meta"):
+        return model_class(config)
+
+
+@pytest.mark.parametrize("model_class,config", [
+    (LlamaForCausalLM, LLAMA_8B),
+    (MixtralForCausalLM, MixtralConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                                       num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                                       num_experts_per_tok=2, vocab_size=1000)),
+], ids=["llama-3.1-8b", "mixtral"])
+def test_the_shape_of_a_meta_model_counts_its_parameters(model_class, config):
+    model = _meta(model_class, config)
+    shape = gnn.TransformerShape.of(model, seq=8192)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_forward_flops_are_megatrons_formula():
+    """For GPT blocks (a 4h-wide MLP of two matrices, as many key/value heads as heads, an untied
+    head), three forwards' flops are Megatron-LM's 72 B s L h^2 (1 + s / 6h + V / 12hL)."""
+    b, s, layers, h, vocab = 8, 4096, 24, 2048, 131072
+    shape = gnn.TransformerShape(layers=layers, hidden=h, heads=16, kv_heads=16, ffn=4 * h, vocab=vocab, seq=s,
+                                 gated=False)
+    megatron = 72 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (12 * h * layers))
+    assert 3 * shape.forward_flops(b * s) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_the_meta_run_tallies_the_shapes_matmul_flops(world4):
+    """HF Llama (its own code) auto-planned on 4 simulated ranks with a next-token loss: the data-parallel
+    option's matmul flops, over the ranks, are three forwards' of the shape read off the model (its
+    attention kernels counted apart: torch counts their backward at 2.5 forwards)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(m, i):
+        logits = m(input_ids=i).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 96), i[:, 1:].reshape(-1)).backward()
+    plan = gnn.auto_plan(model, gt.placement("cpu", [0, 1, 2, 3]), (ids,), step=step)
+    tally = plan.options[0].cost.tally
+    matmul = sum(w.flops for per_rank in tally.kernels.values() for (kind, *_), w in per_rank.items() if kind == "matmul")
+    shape = gnn.TransformerShape.of(model, seq=16)
+    assert matmul == 3 * (shape.forward_flops(8 * 16) - shape.attention_flops(8 * 16))
+
+
+def test_plan_at_scale_chooses_a_valid_layout_no_slower_than_a_published_one():
+    """Llama 3.1 8B on 64 H100s, 256 sequences of 8,192 a step: the chosen layout uses every GPU, fits
+    the H100's memory, and is no slower than torchtitan's published FSDP layout (64-way, full
+    activation checkpointing), which the search also costs."""
+    shape = gnn.TransformerShape.of(_meta(LlamaForCausalLM, LLAMA_8B), seq=8192)
+    plan = gnn.plan_at_scale(shape, gpus=64, global_batch=256, device="H100")
+    assert plan.layout.gpus == 64 and plan.prediction.peak_memory <= gnn.DEVICES["H100"].memory
+    fsdp = gnn.ScaleLayout(dp=64, micro_batch=1, recompute="full", zero=3)
+    assert any(lay == fsdp for lay, _ in plan.options)
+    assert plan.prediction.seconds <= plan.predict(fsdp).seconds
+    assert plan.layout.text() in plan.explain()
+
+
+def test_a_deepseek_v3_shape_plans_with_its_experts_split_where_asked():
+    """DeepSeek-V3's config (256 routed experts, 8 a token, one shared, 3 dense layers first; its
+    latent attention taken as grouped-query attention) on 2,048 H100s: the search costs expert
+    parallelism, and splitting the experts over 8 of the data ranks shrinks a rank's memory."""
+    from transformers import DeepseekV3Config
+    shape = gnn.TransformerShape.of(DeepseekV3Config(), seq=4096)
+    assert shape.experts == 256 and shape.top_k == 8 and shape.dense_layers == 3
+    plan = gnn.plan_at_scale(shape, gpus=2048, global_batch=1920, device="H100")
+    assert plan.layout.gpus == 2048 and any(lay.ep > 1 for lay, _ in plan.options)
+    replicated = gnn.ScaleLayout(dp=16, tp=8, pp=16, micro_batch=1)
+    split = gnn.ScaleLayout(dp=16, tp=8, pp=16, ep=8, micro_batch=1)
+    assert plan.predict(split).peak_memory < plan.predict(replicated).peak_memory
+
+
+def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation():
+    """1F1B's first stage holds pp micro-batches' activations, its last one; full recomputation keeps
+    each block's input alone."""
+    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
+    device = gnn.DEVICES["H100"]
+    kept = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4), device, 64)
+    recomputed = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, recompute="full"), device, 64)
+    first, last = kept.memory[0], kept.memory[max(kept.memory)]
+    assert first > last and recomputed.memory[0] < first and recomputed.seconds > kept.seconds
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match=r"TransformerShape\(layers=\): expected a positive int, got 0"):
+        gnn.TransformerShape(layers=0, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq=16)
+    shape = gnn.TransformerShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq=16)
+    with pytest.raises(ValueError, match=r"plan_at_scale\(gpus=\): expected a positive int, got 0"):
+        gnn.plan_at_scale(shape, gpus=0, global_batch=8)
+    with pytest.raises(ValueError, match="no layout of .* fits 0.0 GiB a GPU"):
+        gnn.plan_at_scale(shape, gpus=8, global_batch=8, memory_limit=1)
+    plan = gnn.plan_at_scale(shape, gpus=8, global_batch=8)
+    with pytest.raises(ValueError, match=r"ScalePlan.predict\(layout=\): this layout cannot run"):
+        plan.predict(gnn.ScaleLayout(dp=4))
