@@ -68,7 +68,7 @@ def test_plan_at_scale_chooses_a_valid_layout_no_slower_than_a_published_one():
     activation checkpointing), which the search also costs."""
     shape = gnn.TransformerShape.of(_meta(LlamaForCausalLM, LLAMA_8B), seq=8192)
     plan = gnn.plan_at_scale(shape, gpus=64, global_batch=256, device="H100")
-    assert plan.layout.gpus == 64 and plan.prediction.peak_memory <= gnn.DEVICES["H100"].memory
+    assert plan.layout.gpus == 64 and plan.prediction.peak_memory <= 0.9 * gnn.DEVICES["H100"].memory
     fsdp = gnn.ScaleLayout(dp=64, micro_batch=1, recompute="full", zero=3)
     assert any(lay == fsdp for lay, _ in plan.options)
     assert plan.prediction.seconds <= plan.predict(fsdp).seconds
