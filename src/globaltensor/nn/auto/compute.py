@@ -47,13 +47,6 @@ NO_KERNEL = frozenset({aten.empty.memory_format, aten.empty_strided.default, ate
                        aten.lift_fresh.default, aten._to_copy.default})
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def kernel_work(func, args, kwargs, out) -> Tuple[str, int, int, bool]:
     """``(kind, flops, bytes, causal)`` of one piece op: kind ``"matmul"``, ``"attention"``,
     ``"memory"``, or ``""`` for an op that runs no kernel."""

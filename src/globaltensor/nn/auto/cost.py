@@ -14,9 +14,8 @@ appear); the parts give the gradients' bytes and the rest of that peak as activa
 kernel each rank runs is tallied with its flops or bytes (compute.py), and the optimizer's update
 as memory-bound kernels over the pieces it steps; the step's modelled time is its prediction
 (predict.py) on the planning device -- this machine as ``gt.calibrate()`` measured it, or a named
-one. A step that reads values on the
-host (a mask's ``if mask.all():``) has them from one real run of it on one device, replayed in
-every meta run.
+one. A step that reads values on the host (a mask's ``if mask.all():``) has them from one real run
+of it on one device, replayed in every meta run.
 """
 from __future__ import annotations
 

@@ -16,13 +16,14 @@ every collective counted, every kernel's flops or bytes tallied per rank) and ke
 least predicted step time (predict.py: compute, communication and host dispatch, on this machine as
 ``gt.calibrate()`` measured it -- or its defaults -- or on a named ``device``) whose memory per rank
 -- parameters, gradients, optimizer state, peak activations -- fits ``memory_limit`` (for a named
-device, by default, its memory). Ties go to fewer
-bytes, then to the earlier candidate (data parallel first). The plan serves eager and compiled
+device, by default, its memory). Ties go to fewer bytes, then to the earlier candidate (data
+parallel first). The plan serves eager and compiled
 steps alike. Plans are cached by the model's structure, the placement, the arguments' meta, the
 step, the limit and the calibration.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -244,17 +245,10 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         twin = cost_of(replace(chosen.candidate, balanced=True), order)
         options.append(twin)
         chosen = balanced_or(chosen, twin, memory_limit)
-    tokens = next((_numel(shape) for shape, dtype in args if not dtype.is_floating_point), None)
+    tokens = next((math.prod(shape) for shape, dtype in args if not dtype.is_floating_point), None)
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     plan = _CACHE[key] = AutoPlan(placement, chosen, options, memory_limit, target, tokens, dtype)
     return plan
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 BALANCED_SLACK = 0.01
