@@ -22,7 +22,7 @@ from typing import Dict, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 from ...comm import World
 from ...comm.simulated import SimulatedWorld
@@ -52,10 +52,8 @@ def kernel_work(func, args, kwargs, out) -> Tuple[str, int, int, bool]:
     ``"memory"``, or ``""`` for an op that runs no kernel."""
     if func in ATTENTION:
         q, k, v = (args[1:4] if ATTENTION[func] == "backward" else args[:3])
-        flops = (sdpa_flop_count(q.shape, k.shape, v.shape) if ATTENTION[func] == "forward"
-                 else sdpa_backward_flop_count(args[0].shape, q.shape, k.shape, v.shape))
         causal = bool(kwargs.get("is_causal", _causal_arg(func, args)))
-        return "attention", flops, 0, causal
+        return "attention", attention_flops(q.shape, k.shape, v.shape, ATTENTION[func] == "backward"), 0, causal
     if func is aten._grouped_mm.default:
         a = args[0]
         return "matmul", 2 * out.numel() * a.shape[-1], 0, False
@@ -67,6 +65,18 @@ def kernel_work(func, args, kwargs, out) -> Tuple[str, int, int, bool]:
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
     moved = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
     return "memory", 0, moved, False
+
+
+def attention_flops(q: tuple, k: tuple, v: tuple, backward: bool) -> int:
+    """A scaled dot-product attention kernel's flops, whole (causal masks not halved), with torch's
+    counting (its flop_counter): forward, the scores and their product with the values; backward,
+    the scores again and the four gradient products. ``[batch, heads, positions, head dim]``, every
+    query head counted (grouped-query attention shares a key/value head among several; torch's
+    formulas of releases before 2.13 refuse that)."""
+    b, heads, s_q, d_q = q
+    s_k, d_v = k[2], v[3]
+    scores = 2 * b * heads * s_q * s_k
+    return scores * (3 * d_q + 2 * d_v) if backward else scores * (d_q + d_v)
 
 
 def _causal_arg(func, args) -> bool:
