@@ -13,6 +13,10 @@ from globaltensor.nn.auto.scale_model import predict_scale
 
 LLAMA_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256)
+LLAMA_70B = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256)
+LLAMA_405B = LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                         num_key_value_heads=8, vocab_size=128256)
 
 
 def _meta(model_class, config):
@@ -21,11 +25,11 @@ def _meta(model_class, config):
 
 
 @pytest.mark.parametrize("model_class,config", [
-    (LlamaForCausalLM, LLAMA_8B),
+    (LlamaForCausalLM, LLAMA_8B), (LlamaForCausalLM, LLAMA_70B), (LlamaForCausalLM, LLAMA_405B),
     (MixtralForCausalLM, MixtralConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
                                        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                        num_experts_per_tok=2, vocab_size=1000)),
-], ids=["llama-3.1-8b", "mixtral"])
+], ids=["llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "mixtral"])
 def test_the_shape_of_a_meta_model_counts_its_parameters(model_class, config):
     model = _meta(model_class, config)
     shape = gnn.TransformerShape.of(model, seq=8192)
