@@ -4,8 +4,8 @@ Every piece of a global tensor made in the run is tagged with its rank (``_gt_ra
 (seen by cost.MemoizedMeta) belongs to the rank of its tagged inputs and tags its outputs alike, so
 the temporaries of a kernel (ring attention's blocks) keep their rank. An op no tagged tensor
 reaches is not a rank's: the dispatcher's own shape inference on fresh meta tensors (a factory with
-no tensor input, ``zeros``, is missed too: one fill). The tensor ops a simulated
-collective runs (the cat of an all-gather, the sum of an all-reduce) are communication, not compute:
+no tensor input, ``zeros``, is missed too: one fill). The tensor ops a simulated collective runs
+(the cat of an all-gather, the sum of an all-reduce) are communication, not compute:
 :class:`TallyingWorld` runs them untallied and tags what each rank receives.
 
 A kernel is a *matmul* (mm, addmm, bmm, baddbmm, convolutions, grouped mm: its flops from torch's
