@@ -223,6 +223,10 @@ def test_calibration_is_measured_and_used(world4, monkeypatch):
     assert set(cal.links) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     assert all(v.bandwidth > 0 and v.latency >= 0 for v in cal.links.values())
     assert calibration.current_calibration() is cal
+    machine = cal.device                  # the kernels and dispatch timed too, and the links of this world
+    assert machine.matmul_rate(torch.float32) > 0 and machine.matmul_rate(torch.float64) > 0
+    assert machine.memory_bandwidth > 0 and 0 < machine.attention_fraction <= 1 and cal.host_op_seconds > 0
+    assert machine.link("all_reduce", (0, 1, 2, 3)).bandwidth == cal.links["all_reduce"].bandwidth
 
 
 @pytest.mark.parametrize("bad,kw,match", [
