@@ -1,7 +1,7 @@
 """Predicted against measured: ``plan.predict()``'s step time and peak memory per rank beside the same
 step run and timed on gloo processes of this machine, ``gt.calibrate()``d.
 
-    .venv/bin/python benchmarks/predict.py [--quick] [--only gpt-dp,llama-tp,...]
+    .venv/bin/python benchmarks/predict.py [--quick] [--only gpt-dp-2,llama-tp-2,...]
 
 Each configuration runs in its own processes (one torch thread each). Every rank calibrates the
 world (collectives, kernels, the host's seconds per global op), plans the model with
@@ -9,7 +9,8 @@ world (collectives, kernels, the host's seconds per global op), plans the model 
 parallel, Megatron, FSDP, ZeRO, sequence split, expert parallel, 2-D -- whatever the planner would
 have chosen; it predicts that option's step (``plan.predict(option=)``), then lays the model out as
 the option says and trains: forward, loss, backward, AdamW (ZeroOptimizer where the option splits
-the state).
+the state). The pipeline configuration cuts the GPT into one stage a process
+(``gt.nn.pipeline_stages``), run eagerly, and predicts it with ``gt.nn.predict_step``.
 
 - **Step time**: the median of rounds of steps, a round's time the slowest rank's.
 - **Peak memory** per rank in training: the bytes of the parameters' pieces this rank holds, plus
@@ -53,6 +54,7 @@ CONFIGS = [
     Config("llama-dp-2", "llama", 2, ("data",)),
     Config("llama-tp-2", "llama", 2, ("tensor",)),
     Config("llama-fsdp-4", "llama", 4, ("fsdp",)),
+    Config("gpt-pp-2", "gpt", 2, ("pipeline",)),
 ]
 
 EMBD, LAYERS, HEADS, VOCAB, BATCH, SEQ = 128, 2, 4, 256, 8, 64
@@ -116,7 +118,6 @@ def _worker(rank: int, world: int, cfg: Config, quick: bool):
     import torch
     import globaltensor as gt
     import globaltensor.nn as gnn
-    from globaltensor.nn.auto.plan import AutoPlan
 
     sys.path.insert(0, "examples")
     torch.manual_seed(1)
@@ -130,21 +131,16 @@ def _worker(rank: int, world: int, cfg: Config, quick: bool):
 
     def step(model, ids, targets):
         loss_of(model, ids, targets).backward()
-    if cfg.model == "mixtral":         # HF's "eager" experts call nonzero, which has no meta kernel
-        model.config._experts_implementation = "grouped_mm"
-    planned = gnn.auto_plan(model, placement, (ids, targets), step=step, optimizer=torch.optim.AdamW)
-    if cfg.model == "mixtral":
-        model.config._experts_implementation = "eager"
-    option = next(o for o in planned.options if o.candidate.roles == cfg.roles and o.candidate.zero == cfg.zero
-                  and not o.candidate.vocab and not o.candidate.blocked and not o.candidate.balanced)
-    plan = AutoPlan(placement, option, planned.options, None, None, planned.tokens, planned.dtype)
-    predicted = plan.predict()
-
-    gnn.distribute_module(model, placement, plan)
-    if plan.expert_axis is not None:
-        gnn.expert_parallel(model, placement, axis=plan.expert_axis)
-    g_ids, g_targets = (gt.distribute(a, placement, nd) for a, nd in zip((ids, targets), plan.inputs))
-    opt = plan.optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    if cfg.roles == ("pipeline",):     # one stage per rank, run eagerly: gt.nn.predict_step
+        stages = [gt.placement("cpu", [r]) for r in ranks]
+        gnn.pipeline_stages(model, stages)
+        g_ids, g_targets = gt.distribute(ids, stages[0], gt.sbp.broadcast), gt.distribute(targets, stages[-1],
+                                                                                         gt.sbp.broadcast)
+        predicted = gnn.predict_step(model, (g_ids, g_targets), step=step, optimizer=torch.optim.AdamW)
+        layout = f"pipeline stages ({len(stages)}, eager)"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        predicted, layout, opt, g_ids, g_targets = _planned(cfg, model, placement, ids, targets, step)
 
     def train():
         loss_of(model, g_ids, g_targets).backward()
@@ -155,11 +151,34 @@ def _worker(rank: int, world: int, cfg: Config, quick: bool):
         train()
     measured_memory = int(H.slowest(float(_resident(model) + _allocator_peak(lambda: (one_step(), one_step())))))
     timing = H.timed(one_step, warmup=2, repeats=3 if quick else 7, inner=2 if quick else 4)
-    return {"name": cfg.name, "layout": option.candidate.name, "nproc": world,
-            "chosen": planned.chosen.candidate.name,
+    return {"name": cfg.name, "layout": layout, "nproc": world,
             "predicted_s": predicted.seconds, "measured_s": float(timing),
             "predicted_memory": predicted.peak_memory, "measured_memory": measured_memory,
             "compute": predicted.compute, "communication": predicted.communication, "host": predicted.host}
+
+
+def _planned(cfg: Config, model, placement, ids, targets, step):
+    """The option of ``cfg``'s layout from ``auto_plan``, its prediction, and the model laid out by it:
+    ``(prediction, layout name, optimizer, ids, targets)``."""
+    import torch
+    import globaltensor as gt
+    import globaltensor.nn as gnn
+    from globaltensor.nn.auto.plan import AutoPlan
+    if cfg.model == "mixtral":         # HF's "eager" experts call nonzero, which has no meta kernel
+        model.config._experts_implementation = "grouped_mm"
+    planned = gnn.auto_plan(model, placement, (ids, targets), step=step, optimizer=torch.optim.AdamW)
+    if cfg.model == "mixtral":
+        model.config._experts_implementation = "eager"
+    option = next(o for o in planned.options if o.candidate.roles == cfg.roles and o.candidate.zero == cfg.zero
+                  and not o.candidate.vocab and not o.candidate.blocked and not o.candidate.balanced)
+    plan = AutoPlan(placement, option, planned.options, None, None, planned.tokens, planned.dtype)
+    predicted = plan.predict()
+    gnn.distribute_module(model, placement, plan)
+    if plan.expert_axis is not None:
+        gnn.expert_parallel(model, placement, axis=plan.expert_axis)
+    g_ids, g_targets = (gt.distribute(a, placement, nd) for a, nd in zip((ids, targets), plan.inputs))
+    return predicted, option.candidate.name, plan.optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3), \
+        g_ids, g_targets
 
 
 def run(quick: bool = False, only: Optional[list] = None) -> list:

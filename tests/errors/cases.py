@@ -47,6 +47,11 @@ def _partial_style():
                                                                    desired_output_layouts=Partial())})
 
 
+def _laid_out(model):
+    gnn.distribute_module(model, p4(), {})
+    return model
+
+
 def _SMALL_SHAPE():
     return gnn.TransformerShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq=16)
 
@@ -425,6 +430,10 @@ CASES = {
     "auto-plan-device": lambda: gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)], device="TPU"),
     "auto-plan-predict-loaded": lambda: gnn.AutoPlan.from_dict(gnn.auto_plan(nn.Linear(4, 4), p4(), [(8, 4)])
                                                                 .to_dict()).predict(),
+    "predict-step-model": lambda: gnn.predict_step("net", [x84()]),
+    "predict-step-plain": lambda: gnn.predict_step(nn.Linear(4, 4), [x84()]),
+    "predict-step-args": lambda: gnn.predict_step(_laid_out(nn.Linear(4, 4)), [torch.zeros(8, 4)]),
+    "predict-step-host-read": lambda: gnn.predict_step(_laid_out(_ReadsAValue()), [x84()]),
     "scale-shape-heads": lambda: gnn.TransformerShape(layers=2, hidden=64, heads=6, kv_heads=6, ffn=256, vocab=100,
                                                       seq=16),
     "scale-shape-moe": lambda: gnn.TransformerShape(layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100,

@@ -149,3 +149,35 @@ def test_a_loaded_plan_says_it_cannot_predict(p1):
     loaded = AutoPlan.from_dict(plan.to_dict())
     with pytest.raises(ValueError, match="loaded with from_dict"):
         loaded.predict()
+
+
+def test_predicting_a_laid_out_model_is_predicting_its_plan(p1):
+    """A model laid out by hand as data parallel predicts the step auto_plan predicts for its data-parallel
+    option: the same meta run, from the model's own layouts."""
+    import copy
+    model = _gpt()
+    args = _args(model)
+    plan = gnn.auto_plan(model, p1, args, step=gpt_step)
+    dp = _option(plan, ("data",))
+    laid_out = copy.deepcopy(model)
+    gnn.distribute_module(laid_out, p1, {})
+    g_args = [gt.distribute(a, p1, gt.sbp.split(0)) for a in args]
+    mine = gnn.predict_step(laid_out, g_args, step=gpt_step)
+    theirs = AutoPlan(p1, dp, plan.options, None, None, plan.tokens, plan.dtype).predict()
+    assert mine.seconds == pytest.approx(theirs.seconds, rel=1e-9) and mine.memory == theirs.memory
+
+
+def test_pipeline_stages_add_up(p1):
+    """examples/gpt.py's GPT cut into 2 stages on ranks [0, 1] and [2, 3], each data parallel, run eagerly:
+    a stage waits for the other, so the step is longer than any rank's own work, and each stage's
+    ranks hold that stage's parameters only."""
+    stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+    model = _gpt(n_layer=2)
+    args = _args(model)
+    held = gnn.pipeline_stages(model, stages)
+    g_args = [gt.distribute(args[0], stages[0], gt.sbp.split(0)), gt.distribute(args[1], stages[1], gt.sbp.split(0))]
+    pr = gnn.predict_step(model, g_args, step=gpt_step)
+    assert held == {0: ["blocks.0"], 1: ["blocks.1", "ln_f", "lm_head"]}
+    first = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith(("blocks.1", "ln_f", "lm_head")))
+    assert pr.memory_parts["parameters"] == max(first, sum(p.numel() * 4 for p in model.parameters()) - first)
+    assert pr.seconds > pr.compute + pr.communication + pr.host

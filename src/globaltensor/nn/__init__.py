@@ -8,6 +8,7 @@ from .distribute import distribute_module, full_state_dict, match_plan
 from .auto.plan import AutoPlan, auto_plan
 from .auto.devices import DEVICES, Device, Link
 from .auto.predict import Prediction
+from .auto.predict_step import predict_step
 from .auto.scale_model import ScaleLayout
 from .auto.scale_search import ScalePlan, plan_at_scale
 from .auto.transformer_shape import TransformerShape
@@ -27,5 +28,5 @@ __all__ = ["distribute_module", "match_plan", "full_state_dict", "COLUMN_PARALLE
            "megatron_plan", "llama_plan", "gpt2_plan", "on_axis", "ZeroOptimizer", "shard_sbp",
            "init_optimizer_state", "from_dtensor_module", "to_dtensor_module",
            "GradBuckets", "bucket_gradients", "no_sync", "auto_plan", "AutoPlan", "Prediction", "Device", "Link",
-           "DEVICES", "plan_at_scale", "ScalePlan", "ScaleLayout", "TransformerShape", "expert_parallel",
+           "DEVICES", "predict_step", "plan_at_scale", "ScalePlan", "ScaleLayout", "TransformerShape", "expert_parallel",
            "from_parallel_styles", "hf_tp_plan", "pipeline_stages"]

@@ -311,11 +311,24 @@ def _per_rank_bytes(layouts: List[Layout], factor: int = 1) -> Dict[int, int]:
 def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Dict[str, tuple],
              buffers: Dict[str, tuple], args: list, step: Callable, zero_axis, state_factor: int,
              calibration, expert_axis=None, reads: Optional[list] = None, device: Optional[Device] = None) -> Cost:
-    """The cost of one step of ``model`` with parameters and buffers laid out as given (``{name:
-    nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``; ``expert_axis``: the MoE experts'
-    tokens sent to their experts over that axis (their routing modelled as even); ``reads``: the
-    values the step's host reads take (:func:`record_host_reads`); its time predicted on ``device``
-    (None: this machine, as ``calibration`` measured it)."""
+    """The cost of one step of ``model`` with parameters and buffers laid out on ``placement`` as given
+    (``{name: nd-sbp}``), ``args`` as ``[(value or shape, dtype, nd-sbp)]``; ``expert_axis``: the MoE
+    experts' tokens sent to their experts over that axis (their routing modelled as even);
+    ``reads``: the values the step's host reads take (:func:`record_host_reads`); its time
+    predicted on ``device`` (None: this machine, as ``calibration`` measured it)."""
+    on = {name: (placement, nd) for name, nd in {**params, **buffers}.items()}
+    experts = None if expert_axis is None else (placement, expert_axis)
+    return evaluate_layouts(model, world_size, on, [(shape, dtype, placement, nd) for shape, dtype, nd in args],
+                            step, zero_axis, state_factor, calibration, experts, reads, device)
+
+
+def evaluate_layouts(model: nn.Module, world_size: int, layouts: Dict[str, tuple], args: list, step: Callable,
+                     zero_axis, state_factor: int, calibration, experts=None, reads: Optional[list] = None,
+                     device: Optional[Device] = None, stages: Optional[List[List[int]]] = None) -> Cost:
+    """:func:`evaluate` with each parameter and buffer on a placement of its own (``{name: (placement,
+    nd-sbp)}``) and ``args`` as ``[(shape, dtype, placement, nd-sbp)]``; ``experts``: ``(placement,
+    axis)`` of expert parallelism, or None; ``stages``: the ranks of pipeline stages that run one
+    after another (predict.py)."""
     named_params = dict(model.named_parameters())
     named_buffers = dict(model.named_buffers())
     world = TallyingWorld(world_size)
@@ -324,14 +337,14 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
         metas = {}
         param_layouts = {}
         for name, t in named_params.items():
-            g = meta_global(t.shape, t.dtype, placement, params[name], world).requires_grad_(t.requires_grad)
+            g = meta_global(t.shape, t.dtype, *layouts[name], world).requires_grad_(t.requires_grad)
             metas[id(t)] = g
             param_layouts[name] = g
         for name, t in named_buffers.items():
-            metas[id(t)] = meta_global(t.shape, t.dtype, placement, buffers[name], world)
+            metas[id(t)] = meta_global(t.shape, t.dtype, *layouts[name], world)
         for g in metas.values():
             tag_pieces(g)
-        inputs = [meta_global(shape, dtype, placement, nd, world) for shape, dtype, nd in args]
+        inputs = [meta_global(shape, dtype, placement, nd, world) for shape, dtype, placement, nd in args]
         for g in inputs:
             tag_pieces(g)
         live, tally = LiveBytes(), ComputeTally()
@@ -342,8 +355,7 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
         try:
             with swapped(model, metas), comm_profile(model) as prof, observing_creation(live.created, tag_pieces), \
-                    MemoizedMeta(reads, tally, world, prof.tracker.current), \
-                    _experts(model, placement, expert_axis):
+                    MemoizedMeta(reads, tally, world, prof.tracker.current), _experts(model, experts):
                 step(model, *inputs)
                 del inputs
                 run_labelled("optimizer step", _optimizer_reads, param_layouts, zero_axis, phase="optimizer")
@@ -356,7 +368,8 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
     finally:
         set_world(previous)
     _optimizer_update(tally, states, state_factor)
-    ranks = placement.rank_list()
+    ranks = sorted({r for placement, _ in layouts.values() for r in placement.rank_list()} |
+                   {r for _, _, placement, _ in args for r in placement.rank_list()})
     # ZeroOptimizer keeps, beside the state, each parameter's shard and the shard's gradient (held from
     # one step to the next zero_grad): two more shard-sized tensors
     held = state_factor if zero_axis is None else state_factor + 2
@@ -367,7 +380,8 @@ def evaluate(model: nn.Module, placement: Placement, world_size: int, params: Di
              "activations": {r: max(live.peak.get(r, 0) - gradients.get(r, 0), 0) for r in ranks}}
     cost = Cost(prof.bytes_sent, prof.count, 0.0, max(by_rank.values()),
                 {k: max(v.get(r, 0) for r in ranks) for k, v in parts.items()}, list(prof.events), tally, by_rank)
-    cost.seconds = predict_cost(cost, ranks, device or calibration.device, calibration.host_op_seconds).seconds
+    cost.seconds = predict_cost(cost, ranks, device or calibration.device, calibration.host_op_seconds,
+                                stages=stages).seconds
     return cost
 
 
@@ -386,8 +400,8 @@ def _optimizer_update(tally: ComputeTally, states: List[Layout], state_factor: i
                 work.add(0, nbytes * (3 + 2 * state_factor) // kernels)
 
 
-def _experts(model: nn.Module, placement: Placement, axis):
-    return contextlib.nullcontext() if axis is None else expert_parallel_applied(model, placement, axis)
+def _experts(model: nn.Module, experts):
+    return contextlib.nullcontext() if experts is None else expert_parallel_applied(model, *experts)
 
 
 def _optimizer_reads(params: Dict[str, GlobalTensor], zero_axis) -> None:

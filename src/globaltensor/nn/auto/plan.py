@@ -198,9 +198,9 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
     if memory_limit is None and target is not None:
         memory_limit = target.memory
     args = [_arg_meta(a) for a in example_args]
-    state_factor = _state_factor(optimizer)
+    factor = state_factor(optimizer)
     cal = current_calibration()
-    key = (_structure(model), placement, tuple(args), step, memory_limit, state_factor, repr(target), repr(cal))
+    key = (_structure(model), placement, tuple(args), step, memory_limit, factor, repr(target), repr(cal))
     plan = _CACHE.get(key)
     if plan is not None:
         return plan
@@ -220,7 +220,7 @@ def auto_plan(model: nn.Module, placement: Placement, example_args: Sequence, *,
         def run():
             return evaluate(model, placement, world_size, params, buffers,
                             [(shape, dtype, nd) for (shape, dtype), nd in zip(args, inputs)], step, zero_axis,
-                            state_factor, cal, candidate.expert_axis, reads[0] if reads else None, target)
+                            factor, cal, candidate.expert_axis, reads[0] if reads else None, target)
         try:
             cost = run()
         except NeedsHostReads as needed:
@@ -316,7 +316,9 @@ def _arg_meta(a) -> tuple:
     raise TypeError(f"auto_plan(example_args): expected tensors or shapes (tuples of ints), got {a!r}")
 
 
-def _state_factor(optimizer) -> int:
+def state_factor(optimizer) -> int:
+    """The optimizer state per parameter element, in parameters' worth, of an optimizer class (or
+    instance); Adam's two moments for None or a class the table does not know."""
     if optimizer is None:
         return 2
     name = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__

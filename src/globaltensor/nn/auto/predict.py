@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -133,13 +133,16 @@ def step_seconds(t: RankTime, device: Device) -> float:
 
 
 def predict_cost(cost, ranks, device: Device, host_op_seconds: float, tokens: Optional[int] = None,
-                 model_flops: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Prediction:
+                 model_flops: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                 stages: Optional[List[List[int]]] = None) -> Prediction:
     """The prediction of a costed layout (cost.py's ``Cost``) on ``device``; ``tokens``: a step's
-    tokens; ``model_flops``: the one-device step's flops (for MFU)."""
+    tokens; ``model_flops``: the one-device step's flops (for MFU); ``stages``: the ranks of the
+    pipeline stages of an eager step, which run one after another -- the step is then each stage's
+    slowest rank without its transfers, summed, and the transfers between stages once."""
     times = {r: rank_time(r, cost.tally, cost.events, device, host_op_seconds) for r in ranks}
     slowest = max(ranks, key=lambda r: step_seconds(times[r], device))
     t = times[slowest]
-    seconds = step_seconds(t, device)
+    seconds = step_seconds(t, device) if not stages else _chained(stages, times, cost.events, device)
     mfu = None
     if model_flops and seconds > 0:
         mfu = model_flops / (seconds * len(ranks) * device.peak_rate(dtype))
@@ -148,3 +151,13 @@ def predict_cost(cost, ranks, device: Device, host_op_seconds: float, tokens: Op
                       tokens / seconds if tokens and seconds > 0 else None, mfu,
                       {k: v for k, v in t.by_kind.items() if v > 0},
                       {k: v for k, v in t.by_module.items() if v > 0})
+
+
+def _chained(stages: List[List[int]], times: Dict[int, RankTime], events, device: Device) -> float:
+    """An eager pipeline's step: a stage waits for the one before it, forward and backward alike."""
+    stage_of = {r: s for s, members in enumerate(stages) for r in members}
+    crossing = [e for e in events if e.collective == "send_recv" and len({stage_of.get(r) for r in e.group}) > 1]
+    transfers = sum(device.link(e.collective, e.group).seconds(max(e.bytes_per_rank.values(), default=0))
+                    for e in crossing)
+    own = {r: step_seconds(t, device) - t.by_kind.get("send_recv", 0.0) for r, t in times.items()}
+    return sum(max(own[r] for r in members) for members in stages) + transfers
