@@ -13,6 +13,7 @@ and every rank times at once, so that the ranks share the machine's cores as the
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import replace
@@ -41,21 +42,30 @@ BLOCK_TOKENS, BLOCK_WIDTH = 256, 64      # the host's step: its kernels about as
 WINDOW_S = 0.02
 
 
+def calls_to_fill(run: Callable) -> int:
+    """How many calls of ``run`` fill :data:`WINDOW_S`, from one untimed-as-such call."""
+    start = time.perf_counter()
+    run()
+    return max(1, int(WINDOW_S / max(time.perf_counter() - start, 1e-7)))
+
+
+def per_call(run: Callable, calls: int) -> float:
+    """The mean seconds of ``calls`` calls of ``run``."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
 def typical(run: Callable, repeats: int, calls: Optional[int] = None) -> float:
     """The median seconds of a call of ``run`` over ``repeats`` timings after one untimed call, each
     timing the mean over ``calls`` calls -- by default enough to fill :data:`WINDOW_S`; give it where
     ``run`` is a collective, which every rank must call alike."""
-    start = time.perf_counter()
-    run()
     if calls is None:
-        calls = max(1, int(WINDOW_S / max(time.perf_counter() - start, 1e-7)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+        calls = calls_to_fill(run)
+    else:
+        run()
+    return statistics.median(per_call(run, calls) for _ in range(repeats))
 
 
 def line(x1: float, t1: float, x2: float, t2: float) -> tuple:
@@ -109,8 +119,9 @@ def fitted_device(points: Dict[str, tuple]) -> Device:
 def host_op_seconds(ranks: list, repeats: int) -> float:
     """The seconds a global op adds to its plain op's in a training step: a pre-norm MLP block (layer
     norm, linear, GELU, linear, residual, cross entropy) replicated on every rank (it sends
-    nothing), its forward and backward timed on global tensors and on plain ones, the difference
-    divided by the global ops it dispatches (counted in a run of their own). Sized so that its
+    nothing), its forward and backward timed on global tensors and on a plain twin in alternating
+    rounds, the median difference divided by the global ops it dispatches (counted in a run of
+    their own). Sized so that its
     kernels last about as long as its dispatch: the dispatch of a real step runs between kernels
     that have used the caches, not in a loop of its own."""
     from ..distribute import distribute_module
@@ -122,17 +133,20 @@ def host_op_seconds(ranks: list, repeats: int) -> float:
                                 torch.nn.Linear(4 * d, d))
     x, targets = torch.randn(n, d), torch.randint(0, d, (n,))
 
-    def step(x, targets):
-        F.cross_entropy(block(x) + x, targets).backward()
-    plain_s = typical(lambda: step(x, targets), repeats)
+    def step(model, x, targets):
+        F.cross_entropy(model(x) + x, targets).backward()
+    twin = copy.deepcopy(block)
     distribute_module(block, placement, {})
     gx, g_targets = (distribute(t, placement, (broadcast,)) for t in (x, targets))
-    step(gx, g_targets)
+    step(block, gx, g_targets)
     with GlobalOps() as counted:
-        step(gx, g_targets)
-    global_s = typical(lambda: step(gx, g_targets), repeats)
+        step(block, gx, g_targets)
+    plain_run, global_run = (lambda: step(twin, x, targets)), (lambda: step(block, gx, g_targets))
+    plain_calls, global_calls = calls_to_fill(plain_run), calls_to_fill(global_run)
     held = sum(1 for r in ranks if get_world().holds(r))
-    return max(global_s - held * plain_s, 0.0) / counted.ops
+    added = [per_call(global_run, global_calls) - held * per_call(plain_run, plain_calls)
+             for _ in range(2 * repeats + 1)]            # paired rounds: a slow spell hits both sides
+    return max(statistics.median(added), 0.0) / counted.ops
 
 
 class GlobalOps(TorchDispatchMode):
