@@ -43,7 +43,7 @@ WINDOW_S = 0.02
 
 
 def calls_to_fill(run: Callable) -> int:
-    """How many calls of ``run`` fill :data:`WINDOW_S`, from one untimed-as-such call."""
+    """How many calls of ``run`` fill :data:`WINDOW_S`, judged by one call (which also warms it up)."""
     start = time.perf_counter()
     run()
     return max(1, int(WINDOW_S / max(time.perf_counter() - start, 1e-7)))
@@ -121,9 +121,8 @@ def host_op_seconds(ranks: list, repeats: int) -> float:
     norm, linear, GELU, linear, residual, cross entropy) replicated on every rank (it sends
     nothing), its forward and backward timed on global tensors and on a plain twin in alternating
     rounds, the median difference divided by the global ops it dispatches (counted in a run of
-    their own). Sized so that its
-    kernels last about as long as its dispatch: the dispatch of a real step runs between kernels
-    that have used the caches, not in a loop of its own."""
+    their own). Sized so that its kernels last about as long as its dispatch: the dispatch of a
+    real step runs between kernels that have used the caches, not in a loop of its own."""
     from ..distribute import distribute_module
     from ...from_local import distribute
     placement = Placement("cpu", ranks)

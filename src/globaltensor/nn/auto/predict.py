@@ -12,8 +12,10 @@ Per rank, on a :class:`~.devices.Device`:
 
 A GPU's host dispatches ahead of its kernels, so a rank's step is the longer of host and device
 (compute plus the communication that shows); on this CPU the same cores do both, so they add. The
-step is the slowest rank's: collectives make every rank wait for the last. One process per rank is
-assumed (a launched job), not the simulated world's one process driving all ranks.
+step is the slowest rank's: collectives make every rank wait for the last. An eager step over
+pipeline stages (parameters on disjoint placements, ``predict_step.py``) is their sum instead: each
+stage waits for the one before it, forward and backward. One process per rank is assumed (a
+launched job), not the simulated world's one process driving all ranks.
 
 MFU is the one-device step's flops (``model_flops``: matmul and attention flops, causal attention
 counted whole as Megatron-LM counts it) over the step's time, the ranks and the device's peak.
