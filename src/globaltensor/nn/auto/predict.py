@@ -117,7 +117,7 @@ def rank_time(rank: int, tally: ComputeTally, events, device: Device, host_op_se
             ring += s
             continue
         t.communication += s
-        t.by_module[e.module.partition(".")[2] or e.module] += s
+        t.by_module[e.module] += s
     for pool, under in ((buckets, backward), (ring, t.by_kind.get("attention", 0.0))):
         shown = max(0.0, pool - under)
         t.communication += shown
