@@ -5,6 +5,10 @@ PY      := .venv/bin/python
 UV      := .venv/bin/uv
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
+# torchtitan's own models for the tests and benchmarks that train them; its imports are pyproject.toml's
+# `titan` extra, its training dependencies left out (--no-deps)
+TITAN   := torchtitan==0.3.0
+NOT_TITAN := --ignore=tests/models/test_titan.py
 # the ends of the supported range (pyproject.toml: torch>=2.9,<2.16); docs/versions.md says why
 TORCH_OLDEST := 2.9.1
 TORCH_NEWEST := 2.15.0
@@ -26,7 +30,8 @@ $(PY):
 # releases as pip picks, in 5 s against pip's 85 (their modules compile when first imported)
 $(STAMP): pyproject.toml | $(UV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(UV) pip install -q --python $(PY) -e ".[dev]"
+	$(UV) pip install -q --python $(PY) -e ".[dev,titan]"
+	$(UV) pip install -q --python $(PY) --no-deps "$(TITAN)"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -52,9 +57,10 @@ compat-venvs: .venv-torch-$(TORCH_OLDEST)/.installed .venv-torch-$(TORCH_NEWEST)
 
 # at the ends, the tests of the library's own process handling stay out (tests/conftest.py, PIN_ONLY);
 # the package from src/ (an absolute path: launched jobs run in folders of their own)
+# and torchtitan's models, installed at the pin only (TITAN), stay out too
 test-compat: compat-venvs
-	PYTHONPATH=$(CURDIR)/src .venv-torch-$(TORCH_OLDEST)/bin/python $(PYTEST) tests -m "not pin_only"
-	PYTHONPATH=$(CURDIR)/src .venv-torch-$(TORCH_NEWEST)/bin/python $(PYTEST) tests -m "not pin_only"
+	PYTHONPATH=$(CURDIR)/src .venv-torch-$(TORCH_OLDEST)/bin/python $(PYTEST) tests -m "not pin_only" $(NOT_TITAN)
+	PYTHONPATH=$(CURDIR)/src .venv-torch-$(TORCH_NEWEST)/bin/python $(PYTEST) tests -m "not pin_only" $(NOT_TITAN)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

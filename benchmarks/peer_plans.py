@@ -8,10 +8,11 @@ Plans (keyed by module name, as torchtitan writes them): ``tp`` -- q / k / v and
 ``ColwiseParallel``, o / down ``RowwiseParallel`` -- and ``tp-clip``, the same step with
 ``clip_grad_norm_(1.0)``. A step: the forward, the causal-LM loss, the backward, the clipping where
 asked, SGD; DTensor's step runs under ``implicit_replication()`` (its clipping meets the plain
-parameters no style names beside the DTensor ones). DTensor's bytes are counted from the functional collectives its step issues (a dispatch
-mode) by the same ring formulas as ``gt.comm_stats`` (all-reduce 2(n-1)/n of the tensor, all-gather
-and reduce-scatter (n-1)/n of the whole, all-to-all what leaves the rank); each side's first step
-is a warm-up, the second counted. The losses of both sides must agree.
+parameters no style names beside the DTensor ones). DTensor's bytes are every collective its step
+issues, DTensor's own redistributions included (_peer_bytes.PeerBytes), by the same ring formulas as
+``gt.comm_stats`` (all-reduce 2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n of the
+whole, all-to-all what leaves the rank), the busiest rank's; each side's first step is a warm-up,
+the second counted. The losses of both sides must agree.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import sys
 
 import _harness as H
+from _peer_bytes import PeerBytes, most
 
 HIDDEN, HEADS, LAYERS, VOCAB, BATCH, SEQ = 64, 4, 2, 128, 8, 16
 
@@ -42,42 +44,7 @@ def _model():
     return LlamaForCausalLM(cfg)
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
-class _FunctionalBytes:
-    """A dispatch mode adding up, for this rank, what the functional collectives it sees send."""
-
-    def __init__(self, world: int):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                op = str(func)
-                if op.startswith("_c10d_functional.") and any(k in op for k in _COLLECTIVES):
-                    outer.count(op, args)
-                return func(*args, **(kwargs or {}))
-        self.mode, self.world, self.bytes, self.ops = Mode(), world, 0, []
-
-    def count(self, op: str, args) -> None:
-        t = args[0]
-        size = t.numel() * t.element_size()
-        n = self.world
-        if "all_reduce" in op:
-            sent = 2 * (n - 1) * size // n
-        elif "all_gather" in op:
-            sent = (n - 1) * size
-        elif "reduce_scatter" in op:
-            sent = (n - 1) * size // n
-        else:
-            sent = size - size // n
-        self.bytes += sent
-        self.ops.append(op.split(".")[1])
-
-
 def _worker(rank: int, world: int):
-    import contextlib
     import warnings
 
     import torch
@@ -110,9 +77,8 @@ def _worker(rank: int, world: int):
             opt.zero_grad()
             return loss
         losses = {"dt": [], "gt": []}
-        counted = _FunctionalBytes(world)
         for k in range(2):
-            with implicit_replication(), (counted.mode if k == 1 else contextlib.nullcontext()):
+            with implicit_replication(), PeerBytes(world) as counted:
                 loss = step(dmodel, dopt, ids)
             losses["dt"].append(float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()))
             gids = gt.distribute(ids, p, gt.sbp.broadcast)
@@ -122,7 +88,7 @@ def _worker(rank: int, world: int):
         for a, b in zip(losses["dt"], losses["gt"]):
             if abs(a - b) > 1e-4 * max(1.0, abs(b)):
                 raise AssertionError(f"{plan}: the losses differ, DTensor {losses['dt']} vs globaltensor {losses['gt']}")
-        out[plan] = {"dt_bytes": counted.bytes, "dt_ops": counted.ops, "gt_bytes": st.bytes_sent, "gt_ops": st.ops(),
+        out[plan] = {"dt_bytes": most([counted.bytes])[0], "dt_ops": counted.ops, "gt_bytes": st.bytes_sent, "gt_ops": st.ops(),
                      "losses": losses}
     return out
 

@@ -193,6 +193,20 @@ def peer_plans() -> str:
     return "\n".join(out)
 
 
+def titan_tp() -> str:
+    """docs/howto.md's torchtitan comparison: benchmarks/titan_tp.py's bytes, torchtitan's own Llama 3
+    and tensor parallelism (DTensor) beside globaltensor's translation of the plan, 2 gloo processes
+    (every collective of the step counted; the run checks the two sides' losses agree)."""
+    import _harness
+    import titan_tp as bench
+    out = ["| plan | torchtitan bytes | collectives | globaltensor bytes | collectives | gt / torchtitan |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for plan, r in _harness.spawn(bench._worker, 2, timeout=300).items():
+        out.append(f"| {plan} | {r['dt_bytes']:,} | {len(r['dt_ops'])} | {r['gt_bytes']:,} | {len(r['gt_ops'])} | "
+                   f"{r['gt_bytes'] / r['dt_bytes']:.2f}x |")
+    return "\n".join(out)
+
+
 def megatron_mfu() -> str:
     """docs/planning.md's Megatron-LM table, published against predicted (benchmarks/published_runs.py:
     plan_at_scale's model, arithmetic alone, one constant calibrated on one row)."""
@@ -210,6 +224,7 @@ REGIONS: Dict[str, Tuple[Path, Callable[[], str]]] = {
     "style-bytes": (HOWTO, style_bytes),
     "explain": (HOWTO, explain),
     "peer-plans": (HOWTO, peer_plans),
+    "titan-tp": (HOWTO, titan_tp),
     "profile-table": (PROFILING, profile_table),
     "profile-tree": (PROFILING, profile_tree),
     "profile-event": (PROFILING, profile_event),

@@ -159,19 +159,43 @@ def _check_ranks(ranks: int) -> None:
                          f"got {ranks!r}")
 
 
-#: a Llama's module names: HuggingFace's and torchtitan's
+#: a Llama's module names: HuggingFace's, torchtitan's (``qkv`` its fused projection, rows grouped by
+#: kv head: ``[kv_heads, heads / kv_heads + 2, head_dim]``) and those of torchtitan before 0.3
 _HF_NAMES = dict(attn="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj", mlp="mlp", gate="gate_proj",
                  up="up_proj", down="down_proj", embed="*embed_tokens")
-_TITAN_NAMES = dict(attn="attention", q="wq", k="wk", v="wv", o="wo", mlp="feed_forward", gate="w1", up="w3",
-                    down="w2", embed="*tok_embeddings")
+_TITAN_NAMES = dict(attn="attention", q="qkv_linear.wq", k="qkv_linear.wk", v="qkv_linear.wv", qkv="qkv_linear.wqkv",
+                    o="wo", mlp="feed_forward", gate="w1", up="w3", down="w2", embed="*tok_embeddings")
+_OLD_TITAN_NAMES = dict(_TITAN_NAMES, q="wq", k="wk", v="wv")
+
+
+def _names(modules: Optional[dict]) -> dict:
+    if modules is None:
+        return _HF_NAMES
+    for names in (_TITAN_NAMES, _OLD_TITAN_NAMES):
+        if any(n.endswith(f".attention.{names['q']}") or n.endswith(f".attention.{names['qkv']}") for n in modules):
+            return names
+    return _HF_NAMES
+
+
+def _module_heads(modules: Optional[dict]) -> Optional[tuple]:
+    """``(n_heads, n_kv_heads)`` of the first attention module holding them as ints (torchtitan's, whose
+    model config has no head counts of its own), or None."""
+    for m in (modules or {}).values():
+        heads = getattr(m, "n_heads", None)
+        if isinstance(heads, int) and not isinstance(heads, bool):
+            kv = getattr(m, "n_kv_heads", None)
+            return heads, kv if isinstance(kv, int) and not isinstance(kv, bool) else heads
+    return None
 
 
 def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, sequence_parallel: bool = False,
                heads: Optional[int] = None, kv_heads: Optional[int] = None) -> dict:
     """Megatron's plan for a Llama-family model (HF's ``LlamaForCausalLM``, Mistral, Qwen2, ... and
-    torchtitan's ``Transformer``: ``attention.wq/wk/wv/wo``, ``feed_forward.w1/w3/w2``) over ``ranks``
-    ranks on placement axis ``axis``: ``q/k/v`` and ``gate/up`` column parallel, ``o`` and ``down``
-    row parallel; norms, embedding and head broadcast.
+    torchtitan's ``Llama3Model``: ``attention.qkv_linear.wqkv`` or ``.wq/wk/wv``, ``attention.wo``,
+    ``feed_forward.w1/w3/w2``; torchtitan before 0.3: ``attention.wq/wk/wv``) over ``ranks`` ranks on
+    placement axis ``axis``: ``q/k/v`` and ``gate/up`` column parallel, ``o`` and ``down`` row
+    parallel; norms, embedding and head broadcast. torchtitan's fused ``wqkv`` holds its rows kv
+    group by kv group, so it is split only when the kv heads divide over ``ranks``.
 
     Given a model, the plan names only the projections it has -- an MoE model's layers without a
     dense MLP get the attention plan (``gt.nn.expert_parallel`` splits the experts); multi-head latent
@@ -179,7 +203,8 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     every bias of a split projection with it (StableLM's q/k/v biases); given a config, biases follow
     ``attention_bias`` / ``use_qkv_bias`` / ``qkv_bias`` and ``mlp_bias``. ``heads`` / ``kv_heads``
     give the head counts where no HF-style config says them (``num_attention_heads`` /
-    ``num_key_value_heads``, or torchtitan's ``n_heads`` / ``n_kv_heads``).
+    ``num_key_value_heads``, or torchtitan's ``n_heads`` / ``n_kv_heads``); else a model's first
+    attention module with ``n_heads`` (and ``n_kv_heads``) gives them, as torchtitan's do.
 
     Heads are never cut: the query heads are split only when they divide evenly over ``ranks``
     (else attention stays replicated), and grouped-query key/value heads only when they do too --
@@ -191,7 +216,9 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     config = _config(model_or_config)
     module = model_or_config if isinstance(model_or_config, nn.Module) else None
     modules = dict(module.named_modules()) if module is not None else None
-    names = _TITAN_NAMES if modules is not None and any(n.endswith(".attention.wq") for n in modules) else _HF_NAMES
+    names = _names(modules)
+    if heads is None and not _has_int(config, ("num_attention_heads", "n_heads")) and _module_heads(modules):
+        heads, kv_heads = _module_heads(modules)[0], kv_heads or _module_heads(modules)[1]
     heads = heads if heads is not None else _heads(config, ("num_attention_heads", "n_heads"), "heads")
     kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_heads", None) or heads
     attn, mlp = names["attn"], names["mlp"]
@@ -212,11 +239,16 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     split_attention = heads % ranks == 0
     column = [named(attn, names["q"])] + ([named(attn, names["k"]), named(attn, names["v"])]
                                            if kv_heads % ranks == 0 else []) if split_attention else []
+    fused = "qkv" in names and modules is not None and present(named(attn, names["qkv"]))
+    if fused:
+        # the fused rows go kv group by kv group: a rank's rows are whole groups only when kv heads divide
+        column = [named(attn, names["qkv"])] if split_attention and kv_heads % ranks == 0 else []
     if split_attention and not present(named(attn, names["k"])) and present(named(attn, "kv_b_proj")):
         # multi-head latent attention (DeepSeek): the per-head up-projections split, the latent ones whole
         column = [p for p in (named(attn, "q_proj"), named(attn, "q_b_proj"), named(attn, "kv_b_proj")) if present(p)]
     column = [p for p in column if present(p)]
-    row = [named(attn, names["o"])] if column else []
+    heads_split = bool(column)
+    row = [named(attn, names["o"])] if heads_split else []
     dense = present(named(mlp, names["gate"]))
     if dense:
         column += [named(mlp, names["gate"]), named(mlp, names["up"])]
@@ -227,13 +259,17 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     for pattern in row:
         plan.update(row_parallel(pattern, axis, ndim, bias=biased(pattern, False)))
     if sequence_parallel:
-        attention = ([named(attn, names[k]) for k in "qkv"], [named(attn, names["o"])]) if split_attention \
-            else ([named(attn)], [named(attn)])
+        inputs = [named(attn, names["qkv"])] if fused else [named(attn, names[k]) for k in "qkv"]
+        attention = (inputs, [named(attn, names["o"])]) if heads_split else ([named(attn)], [named(attn)])
         mlps = ([named(mlp, names["gate"]), named(mlp, names["up"])], [named(mlp, names["down"])]) if dense \
             else ([], [])
         plan.update(sequence_parallel_entries(attention[0] + mlps[0], [names["embed"]] + attention[1] + mlps[1],
                                               axis, ndim))
     return plan
+
+
+def _has_int(config, attrs: tuple) -> bool:
+    return any(isinstance(getattr(config, name, None), int) for name in attrs)
 
 
 def _heads(config, attrs: tuple, argument: str) -> int:

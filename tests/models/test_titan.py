@@ -1,0 +1,124 @@
+"""torchtitan's own Llama 3 (the ``torchtitan`` package's ``Llama3Model``, built small by
+examples/titan_models.py) trained on 4 simulated ranks beside one device, in float64: data,
+tensor (fused and separate q/k/v projections), Megatron-SP, 2x2 hybrid, torchtitan's own plan
+(vocabulary-parallel embedding, head and loss: benchmarks/titan_tp.py's ``titan_plan``) and a
+head-tail sequence split with ring attention. Each step's loss, every gradient (in its parameter's
+layout) and the parameters after AdamW with clipping equal one device's; nothing falls back.
+
+Tolerance: float64 sums in another order (split matmuls, reductions), as models_helpers.TOL
+argues; torchtitan's rotary embedding computes in float32 (``query.float()``) on both sides at the
+same points, from the same float64 inputs, so it adds no gap of its own.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.sbp import broadcast as B, split as S
+from fallback_guard import no_fallback
+from models_helpers import TOL, megatron_collectives
+from reference_checks import check_gradients, check_parameters
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from titan_models import llama3  # noqa: E402
+from titan_tp import titan_plan  # noqa: E402
+
+VOCAB, BATCH, SEQ = 128, 8, 16
+SIZES = dict(dim=64, heads=4, layers=2, vocab=VOCAB)
+HEAD_TAIL = S(1, order="head_tail")
+
+
+def _train(placement, plan, batch_sbp, steps=2, **sizes):
+    """Train torchtitan's model laid out by ``plan`` and a one-device copy side by side; the last
+    step's collectives."""
+    model = llama3(dtype=torch.float64, **{**SIZES, **sizes})
+    reference = copy.deepcopy(model)
+    gt.nn.distribute_module(model, placement, plan)
+    layouts = {n: p.sbp for n, p in model.named_parameters()}
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    data = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        gx, gy = (gt.distribute(t, placement, batch_sbp) for t in (x, y))
+        with no_fallback(), gt.comm_stats() as stats:
+            loss = F.cross_entropy(model(gx).flatten(0, 1), gy.flatten())
+            loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ref_loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        torch.testing.assert_close(loss.full_tensor(), ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
+        check_gradients(step, ((n, grads[n], layouts[n]) for n in layouts), reference.parameters(), TOL)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    check_parameters(list(layouts), model.parameters(), reference.parameters(), TOL, f"after {steps} steps")
+    return stats.records
+
+
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_llama_plan_reads_torchtitans_names_and_head_counts(fuse_qkv):
+    """torchtitan 0.3's names (``attention.qkv_linear.wqkv`` or ``.wq/wk/wv``) and its attention
+    modules' ``n_heads`` / ``n_kv_heads``: the fused projection splits only when its kv groups do."""
+    projection = "wqkv" if fuse_qkv else "wq"
+    for kv_heads, split in ((4, True), (2, not fuse_qkv)):
+        model = llama3(kv_heads=kv_heads, fuse_qkv=fuse_qkv, **SIZES)
+        plan = gt.nn.llama_plan(model, 4)
+        assert (f"*.attention.qkv_linear.{projection}.weight" in plan) == split, sorted(plan)
+        assert ("*.attention.wo.weight" in plan) == split
+        assert {"*.feed_forward.w1.weight", "*.feed_forward.w3.weight", "*.feed_forward.w2.weight"} <= set(plan)
+        assert plan == gt.nn.llama_plan(model, 4, heads=4, kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_tensor_parallel_step_is_megatrons(p1, fuse_qkv):
+    """Per layer one all-reduce after attention and one after the feed-forward, forward and
+    backward, and clipping's one all-reduce of a few scalars: nothing else moves."""
+    records = _train(p1, gt.nn.llama_plan(llama3(kv_heads=4, fuse_qkv=fuse_qkv, **SIZES), 4), B, kv_heads=4,
+                     fuse_qkv=fuse_qkv)
+    moved = [(r.op, r.bytes) for r in records]
+    assert moved[:-1] == megatron_collectives(tp=4)
+    assert moved[-1][0] == "all_reduce" and moved[-1][1] <= 1024
+
+
+def test_grouped_query_attention_with_fewer_kv_heads_than_ranks(p1):
+    """2 kv heads on 4 ranks, separate projections: the query heads split, k and v whole."""
+    model = llama3(kv_heads=2, fuse_qkv=False, **SIZES)
+    _train(p1, gt.nn.llama_plan(model, 4), B, kv_heads=2, fuse_qkv=False)
+
+
+@pytest.mark.parametrize("kind", ["dp", "sp", "2x2", "titan", "titan-sp"])
+def test_trains_like_one_device(world4, kind):
+    """Data parallel; Megatron-SP; 2x2 (tensor on axis 1, data on axis 0); torchtitan's own plan with
+    and without sequence parallelism (the logits split over the vocabulary into the loss)."""
+    p1, p2 = gt.placement("cpu", [0, 1, 2, 3]), gt.placement("cpu", [[0, 1], [2, 3]])
+    model = llama3(kv_heads=4, **SIZES)
+    placement, plan, batch = {
+        "dp": (p1, {}, S(0)),
+        "sp": (p1, gt.nn.llama_plan(model, 4, sequence_parallel=True), B),
+        "2x2": (p2, gt.nn.llama_plan(model, 2, axis=1, ndim=2), (S(0), B)),
+        "titan": (p1, titan_plan(model, 4, False), B),
+        "titan-sp": (p1, titan_plan(model, 4, True), B)}[kind]
+    records = _train(placement, plan, batch, kv_heads=4)
+    if kind == "titan-sp":
+        assert {r.op for r in records} <= {"all_gather", "reduce_scatter", "all_reduce"}
+
+
+def test_head_tail_sequence_split_moves_only_ring_blocks_the_loss_and_gradients(p1):
+    """Tokens split on the sequence in head-tail order (each rank a chunk from each end: balanced
+    causal work) through torchtitan's complex rotary embedding: attention runs as a ring -- only
+    key/value blocks pass between ranks -- and otherwise only the loss and the gradients are
+    reduced."""
+    records = _train(p1, {}, HEAD_TAIL, kv_heads=2)
+    assert {r.op for r in records} <= {"send_recv", "all_reduce"}, sorted({r.op for r in records})
+    assert any(r.op == "send_recv" for r in records)
