@@ -90,3 +90,10 @@ def most(values: List[int]) -> List[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t]
+
+
+def check_losses_agree(plan: str, peer: str, losses: dict) -> None:
+    """The peer's losses (``losses["dt"]``) and ours (``losses["gt"]``) agree to float32's rounding."""
+    for a, b in zip(losses["dt"], losses["gt"]):
+        if abs(a - b) > 1e-4 * max(1.0, abs(b)):
+            raise AssertionError(f"{plan}: the losses differ, {peer} {losses['dt']} vs globaltensor {losses['gt']}")

@@ -20,7 +20,7 @@ import argparse
 import sys
 
 import _harness as H
-from _peer_bytes import PeerBytes, most
+from _peer_bytes import PeerBytes, check_losses_agree, most
 
 HIDDEN, HEADS, LAYERS, VOCAB, BATCH, SEQ = 64, 4, 2, 128, 8, 16
 
@@ -85,9 +85,7 @@ def _worker(rank: int, world: int):
             with gt.comm_stats() as st:
                 loss = step(gmodel, gopt, gids)
             losses["gt"].append(float(loss.full_tensor().detach()))
-        for a, b in zip(losses["dt"], losses["gt"]):
-            if abs(a - b) > 1e-4 * max(1.0, abs(b)):
-                raise AssertionError(f"{plan}: the losses differ, DTensor {losses['dt']} vs globaltensor {losses['gt']}")
+        check_losses_agree(plan, "DTensor", losses)
         out[plan] = {"dt_bytes": most([counted.bytes])[0], "dt_ops": counted.ops, "gt_bytes": st.bytes_sent, "gt_ops": st.ops(),
                      "losses": losses}
     return out

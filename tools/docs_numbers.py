@@ -179,32 +179,32 @@ def models_table() -> str:
     return "\n".join(out)
 
 
-def peer_plans() -> str:
-    """docs/howto.md's comparison with DTensor: benchmarks/peer_plans.py's bytes, DTensor's
-    ``parallelize_module`` and ``gt.nn.distribute_module`` given the same styles on HF Llama, 2 gloo
-    processes (a step's bytes are exact; the run also checks the two sides' losses agree)."""
+def _peer_table(bench, peer: str) -> str:
+    """A peer benchmark's table (its ``_worker`` on 2 gloo processes): per plan the peer's bytes and
+    collectives beside ours."""
     import _harness
-    import peer_plans as bench
-    out = ["| plan | DTensor bytes | collectives | globaltensor bytes | collectives | gt / DTensor |",
+    out = [f"| plan | {peer} bytes | collectives | globaltensor bytes | collectives | gt / {peer} |",
            "|---|---:|---:|---:|---:|---:|"]
     for plan, r in _harness.spawn(bench._worker, 2, timeout=300).items():
         out.append(f"| {plan} | {r['dt_bytes']:,} | {len(r['dt_ops'])} | {r['gt_bytes']:,} | {len(r['gt_ops'])} | "
                    f"{r['gt_bytes'] / r['dt_bytes']:.2f}x |")
     return "\n".join(out)
+
+
+def peer_plans() -> str:
+    """docs/howto.md's comparison with DTensor: benchmarks/peer_plans.py's bytes, DTensor's
+    ``parallelize_module`` and ``gt.nn.distribute_module`` given the same styles on HF Llama, 2 gloo
+    processes (a step's bytes are exact; the run also checks the two sides' losses agree)."""
+    import peer_plans as bench
+    return _peer_table(bench, "DTensor")
 
 
 def titan_tp() -> str:
     """docs/howto.md's torchtitan comparison: benchmarks/titan_tp.py's bytes, torchtitan's own Llama 3
     and tensor parallelism (DTensor) beside globaltensor's translation of the plan, 2 gloo processes
     (every collective of the step counted; the run checks the two sides' losses agree)."""
-    import _harness
     import titan_tp as bench
-    out = ["| plan | torchtitan bytes | collectives | globaltensor bytes | collectives | gt / torchtitan |",
-           "|---|---:|---:|---:|---:|---:|"]
-    for plan, r in _harness.spawn(bench._worker, 2, timeout=300).items():
-        out.append(f"| {plan} | {r['dt_bytes']:,} | {len(r['dt_ops'])} | {r['gt_bytes']:,} | {len(r['gt_ops'])} | "
-                   f"{r['gt_bytes'] / r['dt_bytes']:.2f}x |")
-    return "\n".join(out)
+    return _peer_table(bench, "torchtitan")
 
 
 def megatron_mfu() -> str:

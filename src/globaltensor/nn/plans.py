@@ -217,8 +217,10 @@ def llama_plan(model_or_config, ranks: int, *, axis: int = 0, ndim: int = 1, seq
     module = model_or_config if isinstance(model_or_config, nn.Module) else None
     modules = dict(module.named_modules()) if module is not None else None
     names = _names(modules)
-    if heads is None and not _has_int(config, ("num_attention_heads", "n_heads")) and _module_heads(modules):
-        heads, kv_heads = _module_heads(modules)[0], kv_heads or _module_heads(modules)[1]
+    found = _module_heads(modules) if heads is None and not _has_int(config, ("num_attention_heads", "n_heads")) \
+        else None
+    if found:
+        heads, kv_heads = found[0], kv_heads or found[1]
     heads = heads if heads is not None else _heads(config, ("num_attention_heads", "n_heads"), "heads")
     kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_heads", None) or heads
     attn, mlp = names["attn"], names["mlp"]
