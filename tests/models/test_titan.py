@@ -1,13 +1,19 @@
-"""torchtitan's own Llama 3 (the ``torchtitan`` package's ``Llama3Model``, built small by
-examples/titan_models.py) trained on 4 simulated ranks beside one device, in float64: data,
-tensor (fused and separate q/k/v projections), Megatron-SP, 2x2 hybrid, torchtitan's own plan
-(vocabulary-parallel embedding, head and loss: benchmarks/titan_tp.py's ``titan_plan``) and a
-head-tail sequence split with ring attention. Each step's loss, every gradient (in its parameter's
-layout) and the parameters after AdamW with clipping equal one device's; nothing falls back.
+"""torchtitan's own Llama 3 and DeepSeek-V3 (the ``torchtitan`` package's ``Llama3Model`` and
+``DeepSeekV3Model``, built small by examples/titan_models.py) trained on 4 simulated ranks beside
+one device, in float64. Llama 3: data, tensor (fused and separate q/k/v projections), Megatron-SP,
+2x2 hybrid, torchtitan's own plan (vocabulary-parallel embedding, head and loss:
+benchmarks/titan_tp.py's ``titan_plan``) and a head-tail sequence split with ring attention.
+DeepSeek-V3: its MoE layers' routed experts expert parallel (tokens by all-to-all), in the routing's
+sizes and padded to a capacity, and on a 2x2 placement beside tensor-parallel MLPs. Each step's loss, every gradient (in
+its parameter's layout) and the parameters after AdamW with clipping equal one device's; nothing
+falls back.
 
 Tolerance: float64 sums in another order (split matmuls, reductions), as models_helpers.TOL
 argues; torchtitan's rotary embedding computes in float32 (``query.float()``) on both sides at the
-same points, from the same float64 inputs, so it adds no gap of its own.
+same points, from the same float64 inputs, so it adds no gap of its own; so do DeepSeek-V3's
+experts, which torchtitan runs in bfloat16 (``torch._grouped_mm``), and its routing weights, applied
+in float32: the expert-parallel side runs each expert through the same module's forward and weights
+its rows in float32 too, so the roundings are the same ones.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from reference_checks import check_gradients, check_parameters
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from titan_models import llama3  # noqa: E402
+from titan_models import deepseek_v3, llama3  # noqa: E402
 from titan_tp import titan_plan  # noqa: E402
 
 VOCAB, BATCH, SEQ = 128, 8, 16
@@ -36,12 +42,15 @@ SIZES = dict(dim=64, heads=4, layers=2, vocab=VOCAB)
 HEAD_TAIL = S(1, order="head_tail")
 
 
-def _train(placement, plan, batch_sbp, steps=2, **sizes):
-    """Train torchtitan's model laid out by ``plan`` and a one-device copy side by side; the last
-    step's collectives."""
-    model = llama3(dtype=torch.float64, **{**SIZES, **sizes})
+def _train(placement, plan, batch_sbp, steps=2, model=None, experts=None, **sizes):
+    """Train torchtitan's model (its Llama 3 of these sizes, unless given) laid out by ``plan`` -- its
+    experts then made expert parallel where ``experts`` gives ``expert_parallel``'s keywords -- and
+    a one-device copy side by side; the last step's collectives."""
+    model = llama3(dtype=torch.float64, **{**SIZES, **sizes}) if model is None else model
     reference = copy.deepcopy(model)
     gt.nn.distribute_module(model, placement, plan)
+    if experts is not None:
+        gt.nn.expert_parallel(model, placement, **experts)
     layouts = {n: p.sbp for n, p in model.named_parameters()}
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
     data = torch.Generator().manual_seed(1)
@@ -122,3 +131,70 @@ def test_head_tail_sequence_split_moves_only_ring_blocks_the_loss_and_gradients(
     records = _train(p1, {}, HEAD_TAIL, kv_heads=2)
     assert {r.op for r in records} <= {"send_recv", "all_reduce"}, sorted({r.op for r in records})
     assert any(r.op == "send_recv" for r in records)
+
+
+EXPERT_WEIGHTS = {f"*.routed_experts.inner_experts.{w}": (S(0),) for w in ("w1_EFD", "w2_EDF", "w3_EFD")}
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 4.0])
+def test_deepseek_v3_experts_are_expert_parallel(p1, capacity_factor):
+    """4 routed experts, one per rank, 2 per token: each rank's tokens go to their experts' ranks by
+    all-to-all (in the routing's sizes, or padded to a capacity); the router, the shared expert and
+    the latent attention data parallel."""
+    records = _train(p1, EXPERT_WEIGHTS, S(0), model=deepseek_v3(dtype=torch.float64),
+                     experts={"capacity_factor": capacity_factor})
+    assert "all_to_all" in {r.op for r in records}
+
+
+def test_deepseek_v3_experts_beside_tensor_parallel_mlps(p2):
+    """2x2: the routed experts split over axis 0 (2 per member) and broadcast over axis 1, where the
+    dense layer's feed-forward and the shared expert are Megatron's column / row parallel; the batch
+    split over axis 0. (A batch split over axis 1 too would sum the experts' weight gradients from
+    partial gradients that torchtitan's grouped kernels round to bfloat16: within bfloat16's
+    rounding of one device, not equal to it.)"""
+    mlps = [f"*.{m}" for m in ("feed_forward", "shared_experts")]
+    plan = {**{k: (S(0), B) for k in EXPERT_WEIGHTS},
+            **gt.nn.megatron_plan([f"{m}.w1" for m in mlps] + [f"{m}.w3" for m in mlps], [f"{m}.w2" for m in mlps],
+                                  axis=1, ndim=2, bias=False)}
+    records = _train(p2, plan, (S(0), B), model=deepseek_v3(dtype=torch.float64), experts={"axis": 0})
+    assert {"all_to_all", "all_reduce"} <= {r.op for r in records}
+
+
+def test_expert_parallel_finds_torchtitans_routed_experts():
+    """The routed experts of each MoE layer (not the dense first layer's feed-forward), and a clear
+    error where they are not laid out."""
+    model = deepseek_v3()
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        gt.nn.distribute_module(model, p, {})
+        with pytest.raises(ValueError, match=r"layers\.1\.moe\.routed_experts\.inner_experts\.w1_EFD is \(B,\).*"
+                                             r"needs it \(S\(0\),\)"):
+            gt.nn.expert_parallel(model, p)
+
+
+def test_routed_experts_in_bfloat16_equal_one_device_bit_for_bit(p1):
+    """A bfloat16 model, as torchtitan trains: the expert-parallel routed experts give one device's
+    output exactly -- each expert through its module's own grouped kernel, the routing weights applied
+    in float32 and rounded back to bfloat16 before a token's slots are summed, as torchtitan's
+    dispatcher does. (Bit for bit: the same kernels on the same rows, the same roundings.)"""
+    model = deepseek_v3(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).layers["1"].moe.routed_experts
+    gt.nn.distribute_module(model, p1, EXPERT_WEIGHTS)
+    gt.nn.expert_parallel(model, p1)
+    data = torch.Generator().manual_seed(3)
+    x = torch.randn(BATCH, SEQ, SIZES["dim"], generator=data).bfloat16()
+    ids = torch.stack([torch.randperm(4, generator=data)[:2] for _ in range(BATCH * SEQ)]).view(BATCH, SEQ, 2)
+    scores = torch.rand(BATCH, SEQ, 2, generator=data).softmax(-1)      # float32, as its router gives them
+    with no_fallback():
+        out = model.layers["1"].moe.routed_experts(*(gt.distribute(t, p1, S(0)) for t in (x, scores, ids)), None)
+    assert torch.equal(out.full_tensor(), reference(x, scores, ids, torch.bincount(ids.flatten(), minlength=4)))
+
+
+def test_auto_plan_makes_torchtitans_experts_expert_parallel(p1):
+    """auto_plan sees the routed experts: on 4 ranks it picks the expert role, the stacked weights
+    split over the experts, and its plan trains like one device once expert_parallel applies it."""
+    model = deepseek_v3(dtype=torch.float64)
+    plan = gt.nn.auto_plan(model, p1, (torch.randint(0, VOCAB, (BATCH, SEQ)),))
+    assert plan.expert_axis == 0
+    assert {plan[f"layers.1.moe.routed_experts.inner_experts.{w}"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")} == {(S(0),)}
+    _train(p1, plan, plan.inputs[0], model=model, experts={"axis": plan.expert_axis})

@@ -18,8 +18,8 @@ from ...placement import Placement
 from ...sbp import Split, broadcast
 from ...tensor import GlobalTensor, check_placement
 from ..distribute import distribute_module
-from .experts import Listed, find_experts, owner_placement, unusable_expert_lists
-from .forward import expert_parallel_forward
+from .experts import Listed, Routed, find_experts, owner_placement, unusable_expert_lists, weight_of
+from .forward import expert_parallel_forward, routed_forward
 
 
 def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0, *,
@@ -30,7 +30,8 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0,
     ``axis`` (and broadcast on the others), by ``gt.nn.distribute_module``; each experts module's
     forward is then replaced, on the instance, by the all-to-all dispatch (``nn/moe/forward.py``).
     Recognises HuggingFace transformers' experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-    and the other users of ``transformers.integrations.moe``), and any module with HF's experts
+    and the other users of ``transformers.integrations.moe``), torchtitan's ``RoutedExperts`` (its
+    MoE layers': ``inner_experts.w1_EFD`` / ``w2_EDF`` / ``w3_EFD``), and any module with HF's experts
     interface (``forward(hidden_states, top_k_index, top_k_weights)``) holding its experts in an
     ``nn.ModuleList`` named ``experts``: expert ``e``'s module is moved, whole and broadcast, to the
     ranks of the axis member that owns it (``nn/moe/experts.py``) -- build the optimizer after this
@@ -53,15 +54,16 @@ def expert_parallel(model: torch.nn.Module, placement: Placement, axis: int = 0,
               f"top_k_index, top_k_weights): move the routing out of the module that loops over its experts" \
             if lists else ""
         raise ValueError(f"expert_parallel: no MoE experts module in {type(model).__name__}; expected HuggingFace "
-                         f"transformers' experts (3-D gate_up_proj or up_proj and down_proj, num_experts on dim 0) or "
-                         f"a module whose forward takes (hidden_states, top_k_index, top_k_weights) and holds its "
-                         f"experts in an nn.ModuleList named experts{why}")
+                         f"transformers' experts (3-D gate_up_proj or up_proj and down_proj, num_experts on dim 0), "
+                         f"torchtitan's RoutedExperts (inner_experts with 3-D w1_EFD, w2_EDF, w3_EFD) or a module "
+                         f"whose forward takes (hidden_states, top_k_index, top_k_weights) and holds its experts in "
+                         f"an nn.ModuleList named experts{why}")
     for name, module, kind in found:
         if isinstance(kind, Listed):
             _place_listed(module, kind, placement, axis)
         tensor_axes = _tensor_axes(name, module, kind, placement, axis)
-        module.forward = functools.partial(expert_parallel_forward, module, kind, placement, axis, tensor_axes, name,
-                                           capacity_factor)
+        forward = routed_forward if isinstance(kind, Routed) else expert_parallel_forward
+        module.forward = functools.partial(forward, module, kind, placement, axis, tensor_axes, name, capacity_factor)
     return model
 
 
@@ -90,24 +92,25 @@ def _place_listed(module, kind: Listed, placement: Placement, axis: int) -> None
 def _tensor_axes(name: str, module, kind, placement: Placement, axis: int) -> Tuple[int, ...]:
     """Check the experts' weights' layouts; the placement axes that split every expert Megatron's way
     (tensor-parallel experts: a partial result to be summed over the axis), the others broadcast."""
-    weights = {w: getattr(module, w) for w in kind.weights}
+    weights = {w: weight_of(module, w) for w in kind.weights}
     for w, t in weights.items():
         if not isinstance(t, GlobalTensor):
             raise ValueError(f"expert_parallel: {name}.{w} is not a global tensor; lay the model out first, its experts "
                              f"split on dim 0 over axis {axis}: gt.nn.distribute_module(model, placement, "
-                             f"{{'*.experts.{w}': ...}})")
+                             f"{{'*.{name.rsplit('.', 1)[-1]}.{w}': ...}})")
     tensor_axes = []
     for a in range(placement.ndim):
-        tensor = a != axis and any(not t.sbp[a].is_broadcast for t in weights.values()) and not kind.has_bias
+        tensor = a != axis and any(not t.sbp[a].is_broadcast for t in weights.values()) and kind.tensor_parallel
         want = {w: Split(0) if a == axis else (kind.tensor_split(w) if tensor else broadcast) for w in weights}
         for w, t in weights.items():
             if t.placement != placement or t.sbp[a] != want[w]:
                 nd = tuple(want[w] if b == a else v for b, v in enumerate(t.sbp)) if t.placement == placement else \
                     "on the placement " + str(placement)
+                megatron = f" or, for tensor-parallel experts without biases, split as Megatron splits an MLP (" \
+                    f"{', '.join(f'{v}: {kind.tensor_split(v)}' for v in weights)})" if kind.tensor_parallel else ""
                 raise ValueError(f"expert_parallel: {name}.{w} is {t.sbp} on {t.placement}; expert parallelism on axis "
                                  f"{axis} needs it {nd}: experts split on dim 0 over that axis, and on each other axis "
-                                 f"broadcast or, for tensor-parallel experts without biases, split as Megatron splits "
-                                 f"an MLP ({', '.join(f'{v}: {kind.tensor_split(v)}' for v in weights)})")
+                                 f"broadcast{megatron}")
         if tensor:
             tensor_axes.append(a)
     return tuple(tensor_axes)

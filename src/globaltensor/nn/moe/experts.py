@@ -3,7 +3,7 @@
 An experts module takes HuggingFace transformers' interface, ``forward(hidden_states [tokens,
 hidden], top_k_index [tokens, k], top_k_weights [tokens, k])``, and returns each token's experts'
 outputs weighted by its routing weights and summed. Shared experts and the router live outside
-it, as ordinary layers. Two kinds hold the experts:
+it, as ordinary layers. Two kinds of module hold the experts:
 
 - *stacked* (:class:`Stacked`): HF transformers' own (``transformers.integrations.moe``: Mixtral,
   Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...) keep every expert's weights stacked on a leading
@@ -12,6 +12,13 @@ it, as ordinary layers. Two kinds hold the experts:
 - *listed* (:class:`Listed`): a plain ``nn.ModuleList`` named ``experts``, one module per expert
   (any module taking rows ``[n, hidden]`` to ``[n, hidden]``), as Megatron-Core's SequentialMLP
   and most hand-written MoE layers hold them.
+
+A third kind, torchtitan's routed experts (:class:`Routed`), takes the same routing in another form:
+``RoutedExperts.forward(x [batch, seq, hidden], scores [batch, seq, k], expert ids [batch, seq, k],
+tokens per expert)``, a token dispatcher beside ``inner_experts``, a ``GroupedExperts`` of stacked
+``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` run by ``torch._grouped_mm`` in bfloat16. Each expert runs through
+``GroupedExperts``' own forward (one group), and the routing weights are applied in float32, as its
+dispatcher's ``combine`` applies them.
 """
 from __future__ import annotations
 
@@ -32,8 +39,33 @@ from ...tensor import GlobalTensor
 from ..local_map import dual_layout, pieces_of
 
 
+def combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each (token, slot) row ``[tokens * k, hidden]``, in slot order, weighted by its routing weight
+    (``weights [tokens, k]``) and a token's slots summed, as HF's experts modules do; in ``dtype``."""
+    return sum_slots(rows * weights.reshape(-1, 1), weights.shape, dtype)
+
+
+def sum_slots(rows: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A token's ``k`` slot rows summed (``shape``: ``(tokens, k)``), in ``dtype``."""
+    tokens, k = shape
+    return rows.view(tokens, k, rows.shape[-1]).sum(dim=1).to(dtype)
+
+
+class _StackedWeights:
+    """What the kinds whose experts' weights are stacked on a leading expert dim share."""
+
+    def local_weights(self, module, placement: Placement, axis: int, ranks: tuple) -> Dict[int, dict]:
+        """Each held rank's pieces of the stacked weights (its experts' slices), by weight name."""
+        pieces = {n: pieces_of(weight_of(module, n), ranks) for n in self.weights}
+        return {r: {n: pieces[n][i] for n in self.weights} for i, r in enumerate(ranks)}
+
+    def unheld(self, module, placement: Placement, axis: int, ranks: tuple) -> list:
+        """The experts' tensors this process holds no piece of: none, the weights span the placement."""
+        return []
+
+
 @dataclass(frozen=True)
-class Stacked:
+class Stacked(_StackedWeights):
     """An experts module of stacked weights, and how its forward uses them."""
     num_experts: int
     up: str                     # "gate_up_proj", or "up_proj" for experts without a gate
@@ -56,18 +88,39 @@ class Stacked:
             return split(1 if self.transposed else 2)
         return None
 
-    def local_weights(self, module, placement: Placement, axis: int, ranks: tuple) -> Dict[int, dict]:
-        """Each held rank's pieces of the stacked weights (its experts' slices), by weight name."""
-        pieces = {n: pieces_of(getattr(module, n), ranks) for n in self.weights}
-        return {r: {n: pieces[n][i] for n in self.weights} for i, r in enumerate(ranks)}
 
     def run(self, module, mine: dict, e: int, rows: torch.Tensor) -> torch.Tensor:
         """This rank's ``e``-th expert on its ``rows``."""
         return run_expert(module, self, mine, e, rows)
 
-    def unheld(self, module, placement: Placement, axis: int, ranks: tuple) -> list:
-        """The experts' tensors this process holds no piece of: none, the weights span the placement."""
-        return []
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether an axis may split every expert Megatron's way (:meth:`tensor_split`): without biases."""
+        return not self.has_bias
+
+    combine = staticmethod(combine)
+
+
+@dataclass(frozen=True)
+class Routed(_StackedWeights):
+    """torchtitan's ``RoutedExperts`` (see the module doc): its ``inner_experts``' stacked weights."""
+    num_experts: int
+    weights = ("inner_experts.w1_EFD", "inner_experts.w2_EDF", "inner_experts.w3_EFD")
+    #: no tensor-parallel experts: the grouped kernels round each product to bfloat16, so partial
+    #: sums over split hidden features would not add up to the one-device result
+    tensor_parallel = False
+
+    def run(self, module, mine: dict, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's ``e``-th expert on its ``rows``: ``GroupedExperts.forward`` with that expert alone."""
+        one = {n.split(".", 1)[1]: mine[n][e:e + 1] for n in self.weights}
+        counts = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+        return functional_call(module.inner_experts, one, (rows, counts))
+
+    @staticmethod
+    def combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """As :func:`combine`, each row weighted in float32 and rounded back to its own dtype first,
+        as torchtitan's dispatcher does."""
+        return sum_slots((rows.to(torch.float32) * weights.reshape(-1, 1)).to(rows.dtype), weights.shape, dtype)
 
 
 @dataclass(frozen=True)
@@ -99,6 +152,9 @@ class Listed:
         return [t for e, expert in enumerate(module.experts)
                 if not any(r in owner_placement(placement, axis, self.num_experts, e) for r in ranks)
                 for t in expert.parameters() if t.requires_grad]
+
+    tensor_parallel = False
+    combine = staticmethod(combine)
 
 
 class _Bystanders(torch.autograd.Function):
@@ -166,10 +222,30 @@ def stacked_experts(module: torch.nn.Module):
                    bool(getattr(module, "has_post_expert_norm", False)))
 
 
+def weight_of(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The tensor an experts description names (``down_proj``, ``inner_experts.w1_EFD``) on ``module``."""
+    return functools.reduce(getattr, name.split("."), module)
+
+
+def routed_experts(module: torch.nn.Module):
+    """The module's :class:`Routed` description, or None unless it holds ``inner_experts`` with
+    torchtitan's stacked ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` (``num_experts`` on dim 0) and a
+    ``token_dispatcher``."""
+    inner = module._modules.get("inner_experts")
+    n = getattr(inner, "num_experts", None)
+    if not isinstance(n, int) or not hasattr(module, "token_dispatcher"):
+        return None
+    stacked = [getattr(inner, w.split(".", 1)[1], None) for w in Routed.weights]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == n for t in stacked):
+        return None
+    return Routed(n)
+
+
 def find_experts(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, object]]:
-    """Every experts module of ``model``, stacked or listed: ``(qualified name, module, description)``."""
+    """Every experts module of ``model``, stacked, routed or listed: ``(qualified name, module,
+    description)``."""
     return [(name, m, kind) for name, m in model.named_modules()
-            if (kind := stacked_experts(m) or listed_experts(m)) is not None]
+            if (kind := stacked_experts(m) or routed_experts(m) or listed_experts(m)) is not None]
 
 
 def unusable_expert_lists(model: torch.nn.Module) -> List[str]:
@@ -194,10 +270,3 @@ def run_expert(module: torch.nn.Module, kind: Stacked, pieces: Dict[str, torch.T
     h = module._apply_gate(h) if kind.up == "gate_up_proj" else module.act_fn(h)
     out = _linear(h, pieces["down_proj"][e], down_bias, kind.transposed)
     return module.post_expert_norm(out) if kind.post_norm else out
-
-
-def combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each (token, slot) row ``[tokens * k, hidden]``, in slot order, weighted by its routing weight
-    (``weights [tokens, k]``) and a token's slots summed, as HF's experts modules do; in ``dtype``."""
-    tokens, k = weights.shape
-    return (rows * weights.reshape(-1, 1)).view(tokens, k, rows.shape[-1]).sum(dim=1).to(dtype)

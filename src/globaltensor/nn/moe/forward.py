@@ -28,7 +28,7 @@ from ..local_map import assemble, pieces_of
 from ...sbp import broadcast, partial_sum, split
 from ...sbp.shape import balanced_sizes
 from ...tensor import GlobalTensor
-from .experts import combine, with_bystanders
+from .experts import with_bystanders
 from .padded import padded_forward
 from .token_exchange import exchange_counts, exchange_rows, transposed
 
@@ -73,6 +73,18 @@ def expert_parallel_forward(module, kind, placement, axis: int, tensor_axes: tup
                            kind.unheld(module, placement, axis, ranks))
 
 
+def routed_forward(module, kind, placement, axis: int, tensor_axes: tuple, name: str, capacity_factor, x, scores,
+                   expert_ids, tokens_per_expert=None):
+    """torchtitan's ``RoutedExperts`` interface (experts.py) through :func:`expert_parallel_forward`: the
+    ``[batch, seq, ...]`` tokens and routing flattened to rows; the tokens per expert, which its
+    dispatcher reads, are counted again from the routing where the rows land."""
+    b, l, d = x.shape
+    k = expert_ids.shape[-1]
+    out = expert_parallel_forward(module, kind, placement, axis, tensor_axes, name, capacity_factor,
+                                  x.reshape(b * l, d), expert_ids.reshape(b * l, k), scores.reshape(b * l, k))
+    return out.reshape(b, l, d)
+
+
 def _group_forward(module, kind, group: tuple, held: List[int], xs, idxs, ws, weights, k: int,
                    rows: Dict[int, int]) -> Dict:
     n_experts = kind.num_experts
@@ -99,7 +111,7 @@ def _group_forward(module, kind, group: tuple, held: List[int], xs, idxs, ws, we
     out = {}
     for r in held:
         slots = back[r][torch.argsort(order[r])]
-        out[r] = combine(slots, ws[r], xs[r].dtype)
+        out[r] = kind.combine(slots, ws[r], xs[r].dtype)
     return out
 
 

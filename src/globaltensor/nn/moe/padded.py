@@ -17,7 +17,6 @@ import torch
 
 from ...comm.world import observed
 from ...sbp.shape import balanced_sizes
-from .experts import combine
 from .token_exchange import exchange_rows, transposed
 
 
@@ -51,7 +50,7 @@ def padded_forward(module, kind, name: str, group: tuple, held: List[int], token
     for r in held:
         flat, slot = places[r]
         mine = back[r].view(n_experts, capacity, -1)[flat, slot]
-        out[r] = combine(mine, ws[r], xs[r].dtype)
+        out[r] = kind.combine(mine, ws[r], xs[r].dtype)
     return out
 
 
