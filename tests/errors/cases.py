@@ -471,6 +471,7 @@ CASES = {
     "rule-candidate-unreadable": lambda: gt.register_rule(relu, ["S(0) -> X"]),
     "rule-candidate-no-arrow": lambda: gt.register_rule(relu, ["S(0)"]),
     "rule-function": lambda: gt.register_rule(relu, ["S(0) -> S(0)"], local="rows"),
+    "rule-any-order": lambda: gt.register_rule(relu, ["S(0) -> S(0)"], any_order="head_tail"),
     "rule-keyed": lambda: gt.register_rule(relu, ["S(0) -> S(0)"], keyed=["value"]),
     "rule-keyed-name": lambda: gt.register_rule(torch.ops.aten.masked_fill.Scalar, ["S(0), S(0) -> S(0)"],
                                                 keyed={"fill": None}),

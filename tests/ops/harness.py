@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 import globaltensor as gt
 from globaltensor.ops import decide as stages
-from globaltensor.ops.decide import blocked_variants, head_tail_variants
+from globaltensor.ops.decide import in_kinds
 from globaltensor.ops.executor import runner
 from globaltensor.ops.registry import find_rule
 from globaltensor.sbp import all_broadcast, as_signature, blocks_problem, broadcast, nd_candidates, partial_sum, split
@@ -106,16 +106,14 @@ def check_candidates(op, *args, rtol=1e-4, atol=1e-5, placements=("1d", "2x2"), 
                      head_tail=False, **kwargs):
     """Each candidate of ``op``'s rule, forced on its own with the inputs in its layouts, gives the
     single-device result and outputs in its layouts; returns how many ran. ``blocks=f`` checks
-    instead the candidates with every split blocked ``f`` ways (rules that declare ``blocked``),
-    skipping those whose blocks do not fit the shapes. ``head_tail=True`` checks the candidates in
+    instead the candidates that hold in any order (``Rule.order_free``) with every split blocked
+    ``f`` ways, skipping those whose blocks do not fit the shapes. ``head_tail=True`` checks them in
     head-tail order (with ``blocks``: also blocked ``f`` ways), those the dispatcher admits."""
     want = op(*args, **kwargs)
     sigs = candidate_signatures(op, *args, **kwargs)
-    meta = _meta_args(args, kwargs)
-    if head_tail:
-        sigs = head_tail_variants(find_rule(op), sigs, [blocks], *meta)
-    elif blocks > 1:
-        sigs = blocked_variants(find_rule(op), sigs, [blocks], *meta)
+    kinds = sorted({(1, "head_tail"), (blocks, "head_tail")}) if head_tail else [(blocks, "plain")] if blocks > 1 else []
+    if kinds:
+        sigs = in_kinds(find_rule(op), sigs, kinds, *_meta_args(args, kwargs))
     assert sigs, f"{op}: the rule gave no candidates for these arguments"
     replicated = all_broadcast(len(sigs[0].inputs), len(sigs[0].outputs))
     shape_checked = find_rule(op).check_shapes

@@ -123,11 +123,42 @@ BLOCKED_RULE_CASES = [
     (aten.view_as_complex.default, (_t(12, 4, 2),), {}),
     (aten._conj.default, (torch.randn(12, 4, dtype=torch.complex128),), {}),
 ]
+_ids = torch.randint(0, 10, (2, 12))
+_sorted_rows = torch.randn(24, 8, dtype=torch.float64).sort(1).values
+# Rules whose kernels read positions only through the layout's segments (``any_order=``)
+KERNEL_RULE_CASES = [
+    (aten.embedding.default, (_t(10, 4), _ids), {}),
+    (aten.embedding_dense_backward.default, (_t(2, 12, 4), _ids, 10, -1, False), {}),
+    (aten._log_softmax.default, (_t(24, 10), 1, False), {}),
+    (aten.nll_loss_forward.default, (_t(24, 10).log_softmax(1), torch.randint(0, 10, (24,)), None, 1, -100), {}),
+]
+# Rules that run the op on each rank's pieces, with no kernel and no local rewrite, and say nothing of
+# split kinds: every kind passes through them (``Rule.takes_kinds``)
+PLAIN_PIECE_RULE_CASES = [
+    (aten.gelu.default, (_t(4, 24),), {}),
+    (aten.sort.default, (_t(24, 24), 1), {}),
+    (aten.topk.default, (_t(24, 24), 3, 1), {}),
+    (aten.cumsum.default, (_t(24, 24), 1), {}),
+    (aten.gather.default, (_t(24, 24), 1, torch.randint(0, 24, (24, 5))), {}),
+    (aten.index_select.default, (_t(24, 24), 1, torch.tensor([3, 1, 4])), {}),
+    (aten.scatter_add.default, (_t(24, 24), 1, torch.randint(0, 24, (24, 5)), _t(24, 5)), {}),
+    (aten.roll.default, (_t(24, 24), [2], [1]), {}),
+    (aten.flip.default, (_t(24, 24), [1]), {}),
+    (aten.constant_pad_nd.default, (_t(24, 24), [1, 2]), {}),
+    (aten.diagonal.default, (_t(24, 5, 5), 0, 1, 2), {}),
+    (aten.unfold.default, (_t(24, 24), 1, 3, 2), {}),
+    (aten._cdist_forward.default, (_t(24, 4), _t(24, 4), 2.0, None), {}),
+    (aten.searchsorted.Tensor, (_sorted_rows, _t(24, 3)), {}),
+    (aten.linalg_inv_ex.default, (_t(24, 3, 3) + 3 * torch.eye(3, dtype=torch.float64),), {}),
+    (aten.fill.Scalar, (_t(24, 24), 2.0), {}),
+]
+ANY_ORDER_RULE_CASES = BLOCKED_RULE_CASES + KERNEL_RULE_CASES + PLAIN_PIECE_RULE_CASES
 
 
-@pytest.mark.parametrize("op,args,kwargs", BLOCKED_RULE_CASES, ids=[str(c[0]) for c in BLOCKED_RULE_CASES])
-def test_every_blocked_rule_holds_with_its_splits_blocked(op, args, kwargs):
-    """Each candidate of a rule declaring ``blocked``, with every split blocked 2 and 3 ways,
-    forced on its own on 1-D and 2x2 placements, gives one device's values in its layouts."""
+@pytest.mark.parametrize("op,args,kwargs", ANY_ORDER_RULE_CASES, ids=[str(c[0]) for c in ANY_ORDER_RULE_CASES])
+def test_every_any_order_rule_holds_with_its_splits_blocked(op, args, kwargs):
+    """Each candidate that holds in any order (a rule on plain pieces, or one declaring ``any_order``),
+    with every split blocked 2 and 3 ways, forced on its own on 1-D and 2x2 placements, gives one
+    device's values in its layouts."""
     ran = sum(check_candidates(op, *args, blocks=f, rtol=1e-12, atol=1e-12, **kwargs) for f in (2, 3))
     assert ran > 0

@@ -1,8 +1,9 @@
 """Ops on head-tail splits (``S(d, order="head_tail")``: rank ``r`` of ``W`` holds chunks ``r`` and
 ``2W - 1 - r``), against one device (float64; 1e-12 relative: the same sums in another order).
 
-Every rule that keeps a split dim's indices where they were (``blocked``) holds in head-tail order
-too, blocked or not; each candidate is forced on its own on 1-D and 2x2 placements. Then the pieces
+Every candidate that holds in any order of its split dims' indices (sbp/split_kinds.py: a rule on
+plain pieces, or one declaring ``any_order``) holds in head-tail order, blocked or not; each is
+forced on its own on 1-D and 2x2 placements. Then the pieces
 a GPT needs, end to end: embedding, position embeddings, norms, linears, causal attention (ring),
 and the loss, with only the ring's blocks and the loss's scalar moving."""
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 import globaltensor as gt
 from globaltensor.sbp import broadcast as B, split as S
 from harness import check_candidates
-from test_blocked_ops import BLOCKED_RULE_CASES
+from test_blocked_ops import ANY_ORDER_RULE_CASES
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 aten = torch.ops.aten
@@ -26,27 +27,19 @@ def _t(*shape):
     return torch.randn(*shape, dtype=torch.float64)
 
 
-_ids = torch.randint(0, 10, (2, 16))
-HEAD_TAIL_RULE_CASES = BLOCKED_RULE_CASES + [
-    (aten.embedding.default, (_t(10, 4), _ids), {}),
-    (aten.embedding_dense_backward.default, (_t(2, 16, 4), _ids, 10, -1, False), {}),
-    (aten._log_softmax.default, (_t(16, 10), 1, False), {}),
-    (aten.nll_loss_forward.default, (_t(16, 10).log_softmax(1), torch.randint(0, 10, (16,)), None, 1, -100), {}),
-    (aten.gelu.default, (_t(4, 16),), {}),
-]
-
-
-@pytest.mark.parametrize("op,args,kwargs", HEAD_TAIL_RULE_CASES, ids=[str(c[0]) for c in HEAD_TAIL_RULE_CASES])
-def test_every_index_keeping_rule_holds_in_head_tail_order(op, args, kwargs):
-    """Each candidate of a rule declaring ``blocked`` (or ``head_tail``), in head-tail order and
-    also blocked 2 ways, forced on its own, gives one device's values in its layouts."""
+@pytest.mark.parametrize("op,args,kwargs", ANY_ORDER_RULE_CASES, ids=[str(c[0]) for c in ANY_ORDER_RULE_CASES])
+def test_every_any_order_rule_holds_in_head_tail_order(op, args, kwargs):
+    """Each candidate that holds in any order (a rule on plain pieces, or one declaring ``any_order``),
+    in head-tail order and also blocked 2 ways, forced on its own, gives one device's values in its
+    layouts."""
     ran = sum(check_candidates(op, *args, blocks=f, head_tail=True, rtol=1e-12, atol=1e-12, **kwargs) for f in (1, 2))
     assert ran > 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_sequence_candidates_hold_in_head_tail_order(causal):
-    """Ring attention and the query split, with q (and k, v) split head-tail, forward and backward.
+def test_sdpa_sequence_candidates_hold_in_head_tail_order_and_blocked(causal):
+    """Ring attention and the query split, with q (and k, v) split head-tail, and blocked 2 ways,
+    forward and backward.
     Every output of the op is compared, the log-sum-exp too, which the CPU flash kernel of torch
     2.9 keeps in float32 even for float64 inputs: merging the ring's partial ones then differs from
     one device by float32 rounding (~1e-7 of values near log(keys) + max score, a few units), hence
@@ -55,10 +48,10 @@ def test_sdpa_sequence_candidates_hold_in_head_tail_order(causal):
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     q, k, v = _t(2, 2, 16, 4), _t(2, 2, 16, 4), _t(2, 2, 16, 4)
     lse_tol = dict(rtol=1e-6, atol=1e-6)
-    assert check_candidates(fwd, q, k, v, 0.0, causal, head_tail=True, **lse_tol) > 0
     out, lse = fwd(q, k, v, 0.0, causal)
-    assert check_candidates(bwd, torch.randn_like(out), q, k, v, out, lse, 0.0, causal, head_tail=True,
-                            **lse_tol) > 0
+    for kind in (dict(head_tail=True), dict(blocks=2)):         # a blocked sequence: the ring reads its segments
+        assert check_candidates(fwd, q, k, v, 0.0, causal, **kind, **lse_tol) > 0
+        assert check_candidates(bwd, torch.randn_like(out), q, k, v, out, lse, 0.0, causal, **kind, **lse_tol) > 0
 
 
 def test_a_flattened_head_tail_split_is_blocked_head_tail_and_unflattens(world4):
@@ -100,19 +93,20 @@ def test_cross_entropy_on_head_tail_logits_stays_local(world4, reduction, smooth
     torch.testing.assert_close(g.grad.full_tensor(), leaf.grad, **TOL)
 
 
+@pytest.mark.parametrize("sbp,length", [(HT(1), 13), (S(1, blocks=3), 12)], ids=["head_tail", "blocked"])
 @pytest.mark.parametrize("draw", ["dropout", "rand_like", "randn_like", "bernoulli"])
-def test_random_ops_draw_by_position_on_head_tail_pieces(world4, draw):
-    """A random op on a head-tail tensor keeps the split and draws, element by element, what it draws
-    on the whole tensor after the same seed (each rank hashes its chunks' positions)."""
+def test_random_ops_draw_by_position_on_head_tail_and_blocked_pieces(world4, draw, sbp, length):
+    """A random op on a head-tail (or blocked) tensor keeps the split and draws, element by element,
+    what it draws on the whole tensor after the same seed (each rank hashes its segments' positions)."""
     p = gt.placement("cpu", [0, 1, 2, 3])
     fns = {"dropout": lambda x: F.dropout(x, 0.5), "rand_like": torch.rand_like, "randn_like": torch.randn_like,
            "bernoulli": lambda x: torch.bernoulli(x * 0.5)}
-    x = torch.ones(2, 13, 3, dtype=torch.float64)
+    x = torch.ones(2, length, 3, dtype=torch.float64)
     gt.manual_seed(7)
-    got = fns[draw](gt.distribute(x, p, HT(1)))
+    got = fns[draw](gt.distribute(x, p, sbp))
     gt.manual_seed(7)
     want = fns[draw](gt.distribute(x, p, B))
-    assert got.sbp == (HT(1),)
+    assert got.sbp == (sbp,)
     assert torch.equal(got.full_tensor(), want.full_tensor())
 
 

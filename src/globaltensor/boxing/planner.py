@@ -42,7 +42,7 @@ def plan_boxing(src: Layout, dst: Layout) -> Plan:
     elif src.blocked or dst.blocked:
         steps = _through_factored(src, dst)
     elif src.placement == dst.placement:
-        steps = _search(src, dst.nd_sbp)
+        steps = _search_or_through_broadcast(src, dst)
     else:
         steps = _across(src, dst)
     return Plan(src, dst, tuple(steps))
@@ -83,6 +83,18 @@ def _values(src: Layout, target: tuple) -> list:
     if src.has_partial or any(v.is_partial for v in target):
         vals.append(partial_sum)
     return vals
+
+
+def _search_or_through_broadcast(src: Layout, dst: Layout) -> list:
+    """The search's steps, or a gather to broadcast and a local finish where the busiest rank sends
+    less that way. The search adds up each step's busiest rank; with uneven pieces the busiest
+    ranks of two steps can differ, so a path the search ties with can send less in all."""
+    found = _search(src, dst.nd_sbp)
+    all_b = tuple(broadcast for _ in src.nd_sbp)
+    if all_b in (src.nd_sbp, dst.nd_sbp):
+        return found
+    through = _search(src, all_b) + _search(src.with_sbp(all_b), dst.nd_sbp)
+    return min((found, through), key=lambda steps: Plan(src, dst, tuple(steps)).cost)
 
 
 def _search(src: Layout, target: tuple) -> list:

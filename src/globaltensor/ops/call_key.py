@@ -16,6 +16,9 @@ function of the value gives what enters the key (``masked_fill`` keeps a partial
 zero fill: ``keyed={"value": is_zero}``). The OpInfo sweep (tests/conformance/test_opinfo.py, with
 tests/key_check.py) holds every rule to this: a rule that reads a number the key leaves out fails there.
 
+In the backward, the running autograd node's gradient sinks enter the key too
+(gradient_sinks.py): an output that joins a partial sum anyway may stay partial there.
+
 A list op (``_foreach_*``, the fused optimizers) keys each number by type and a list of numbers
 by its length; its tensors by their layouts, as a single op's.
 
@@ -34,6 +37,7 @@ from .kept_boxed_copy import copy_layout
 from .decide.lists import list_kind
 from .executor.decompose import decomposing
 from .explicit import explicit
+from .gradient_sinks import current_sinks
 from .registry import find_rule, on_rules_changed
 from .schema.args import SCALARS
 from .schema.op_record import record
@@ -84,6 +88,14 @@ def _make_spec(func) -> KeySpec:
                    numeric <= positional)
 
 
+def grad_state():
+    """How autograd stands to the call: "inside" a decomposition of an op it records, True where it
+    records the op, else the running backward node's gradient sinks (gradient_sinks.py: False for none)."""
+    if decomposing.recorded:
+        return "inside"
+    return _grad_enabled() or current_sinks()
+
+
 def _itself(v):
     return v
 
@@ -112,7 +124,7 @@ def call_key(func, args: tuple, kwargs: Optional[dict]) -> tuple:
     ``relu``: the hot path) needs nothing of the op's spec; at the first other argument, or keywords,
     the key is made from it (:func:`_spec_key`). A call takes one of the two ways every time, so its
     look-up and its store agree."""
-    key = [id(func), "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
+    key = [id(func), grad_state(), explicit.depth > 0]
     for v in args:
         if type(v) is GlobalTensor and v._boxed is None:
             key.append((id(v._layout), True) if v.requires_grad else id(v._layout))
@@ -128,7 +140,7 @@ def _spec_key(func, args: tuple, kwargs: Optional[dict]) -> tuple:
     fid, by_type, by_type_names, classified, listed, mixed, all_typed = key_spec(func)
     if listed:
         return _list_key(fid, args, kwargs)
-    key = [fid, "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
+    key = [fid, grad_state(), explicit.depth > 0]
     if mixed:
         i = 0
         for v in args:
@@ -185,7 +197,7 @@ def _list_key(fid: int, args: tuple, kwargs: Optional[dict]) -> tuple:
     """A list op's key: its tensors' layouts, its numbers by type only. Learning rates, betas and
     the bias corrections in a ``ScalarList`` change every step, and a list op's decision (its
     elements' signatures) does not depend on their values."""
-    key = [fid, "inside" if decomposing.recorded else _grad_enabled(), explicit.depth > 0]
+    key = [fid, grad_state(), explicit.depth > 0]
     key.extend(map(_list_arg_key, args))
     if kwargs:
         key.append(_KEYWORDS)

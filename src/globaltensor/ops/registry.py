@@ -10,14 +10,15 @@ candidate is used (for ops whose pieces only line up on some shapes); and ``kern
 one call runs on the ranks this process holds, in place of the aten op on each rank's
 pieces -- ``kernel(func, args, kwargs, in_layouts, out_layouts, calls)``, given the call's
 own (global) arguments and ``calls`` mapping each held rank to its ``(args, kwargs)`` of
-pieces (after ``local``), returns ``{rank: result}``. ``blocked``: the op keeps every index of
-a split dim where it was (pointwise ops, matrix products, reductions over other dims, dim
-permutations), so each candidate holds with every split blocked alike (``split(d, blocks=f)``,
-f taken from the inputs): True for all candidates, or a function of the op's arguments
-returning the candidates for which this holds; the same candidates hold in head-tail order
-(``split(d, order="head_tail")``), blocked or not, where every head-tail split of the signature cuts
-blocks of one size. ``head_tail``: as ``blocked``, for head-tail order only, where a rule says so
-apart (sdpa's sequence signatures: ring attention reads its chunks' positions). ``out_meta``: where the op's meta kernel and its
+pieces (after ``local``), returns ``{rank: result}``. ``any_order``: which candidates hold in any order of their split dims' indices, so in
+every split kind (blocked, head-tail: sbp/split_kinds.py), which the dispatcher then offers where
+the inputs hold that kind -- a rule never names a kind. A rule without ``kernel`` and ``local``
+runs the op on each rank's pieces, and a candidate right for every split of every size, as each
+must be, reads no index's position: all of its candidates hold in any order, and ``any_order``
+is not needed. A ``kernel`` or ``local`` may read positions, so such a rule says which of its
+candidates do not, or read them only through the layout's segments (``Layout.segments``, the
+generator's positions): True for all, or a function of the op's arguments returning those
+candidates (sdpa's sequence signatures: ring attention's blocks are the segments). ``out_meta``: where the op's meta kernel and its
 device kernel disagree on an output's shape (eval batch norm's saved statistics are ``[C]`` on
 meta, ``[0]`` on CPU), ``out_meta(meta_out, device_type, *args, **kwargs)`` returns the device's. It is called
 once per call even when this process holds no rank of the placement (random ops reserve
@@ -42,7 +43,7 @@ only for a zero fill: ``keyed={"value": is_zero}``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -58,12 +59,25 @@ class Rule:
     local: Optional[Callable] = None
     check_shapes: bool = False
     kernel: Optional[Callable] = None
-    blocked: object = False
     out_meta: Optional[Callable] = None
     kernel_bytes: Optional[Callable] = None
     admit: Optional[Callable] = None
-    head_tail: object = None
+    any_order: Union[None, bool, Callable] = None
     keyed: Optional[dict] = None
+
+    @property
+    def takes_kinds(self) -> bool:
+        """Whether some of the rule's candidates hold in any order (``any_order``; see the module)."""
+        return bool(self.any_order) if self.any_order is not None else self.kernel is None and self.local is None
+
+    def order_free(self, candidates: list, meta_args, meta_kwargs) -> list:
+        """The candidates (of ``candidates``, the rule's own for this call) that hold in any order of
+        their split dims' indices (``any_order``, see the module's docstring)."""
+        if not self.takes_kinds:
+            return []
+        if self.any_order is None or self.any_order is True:
+            return candidates
+        return [as_signature(c) for c in self.any_order(*meta_args, **meta_kwargs)]
 
 
 RULES: dict = {}
@@ -84,8 +98,8 @@ def _overloads(op) -> list:
     return [op]
 
 
-def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, blocked=False,
-                  out_meta=None, kernel_bytes=None, admit=None, head_tail=None, keyed=None):
+def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kernel=None, out_meta=None,
+                  kernel_bytes=None, admit=None, any_order=None, keyed=None):
     """Register a rule for one op, an op packet (every overload) or a list of them.
 
     ``candidates`` is a list of signature strings or a function of the op's arguments
@@ -93,9 +107,9 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     """
     def install(fn):
         _check_rule(ops, fn, {"local": local, "kernel": kernel, "out_meta": out_meta, "kernel_bytes": kernel_bytes,
-                              "admit": admit}, keyed)
-        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, blocked, out_meta,
-                    kernel_bytes, admit, head_tail, keyed)
+                              "admit": admit}, keyed, any_order)
+        rule = Rule(fn if callable(fn) else (lambda *a, **k: fn), local, check_shapes, kernel, out_meta,
+                    kernel_bytes, admit, any_order, keyed)
         for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
             for overload in _overloads(op):
                 RULES[overload] = rule
@@ -108,7 +122,7 @@ def register_rule(ops, candidates=None, *, local=None, check_shapes=False, kerne
     return candidates
 
 
-def _check_rule(ops, candidates, hooks: dict, keyed) -> None:
+def _check_rule(ops, candidates, hooks: dict, keyed, any_order) -> None:
     """Bad arguments fail here, at registration, not at the op's first call."""
     for op in (ops if isinstance(ops, (list, tuple)) else [ops]):
         if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, MissingOp)):
@@ -125,6 +139,9 @@ def _check_rule(ops, candidates, hooks: dict, keyed) -> None:
     for name, fn in hooks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"register_rule: {name}= must be a function, got {fn!r}")
+    if not (any_order is None or isinstance(any_order, bool) or callable(any_order)):
+        raise TypeError(f"register_rule: any_order= must be True, False or a function returning the candidates "
+                        f"that hold in any order, got {any_order!r}")
     if keyed is not None and not (isinstance(keyed, dict) and all(
             isinstance(k, str) and (f is None or callable(f)) for k, f in keyed.items())):
         raise TypeError(f"register_rule: keyed= must map argument names to a function of the value (or None), "
@@ -141,9 +158,9 @@ def _check_rule(ops, candidates, hooks: dict, keyed) -> None:
 _TAGGED: list = []
 
 
-def register_tag_rule(tag, rule_fn, blocked=False) -> None:
+def register_tag_rule(tag, rule_fn) -> None:
     """A rule for every op carrying ``tag`` (``torch.Tag.pointwise``) that has no rule of its own."""
-    _TAGGED.append((tag, Rule(rule_fn, blocked=blocked)))
+    _TAGGED.append((tag, Rule(rule_fn)))
 
 
 def find_rule(func) -> Optional[Rule]:

@@ -25,7 +25,9 @@ once, rather than let the partial sum branch into several such ops that each giv
 result to reduce (the backward of an RMSNorm multiplies a partial gradient by the weight, by
 the normalised input and by the input: three reductions where Megatron has one; reduced at
 the first, the others read its kept copy). Where the output is smaller (``sum(P * B)``,
-``mm(P, B)`` into fewer features) the reduction waits for it. Integer broadcast inputs are
+``mm(P, B)`` into fewer features) the reduction waits for it. And where the output is a gradient contribution that
+a gradient sink sums with another partial one anyway (ops/gradient_sinks.py: the input gradient of a
+projection beside a column-parallel one), it owes nothing: one reduction serves the sum. Integer broadcast inputs are
 indices (``embedding_dense_backward(P, ids)``, ``gather``, ``index_select``): they place the
 partial values, as a view does: the output's later reduction is counted in bytes (so a table's
 gradient larger than the rows it comes from is reduced from the rows, now) but not as a
@@ -41,6 +43,9 @@ ops that meet it take splits too: activations end up split along the batch under
 tensor-parallel plan, broadcast parameters get partial gradients, weights are gathered
 before matmuls. A reduce-scatter plus the all-gather back are the bytes of the all-reduce;
 with the way back counted, the choice falls to the fewer collectives.
+
+The same holds where the output is one a gradient sink sums: an input made partial on that axis
+(the accumulation of a broadcast gradient contribution with a partial one) joins the sink's sum.
 
 *Gradients.* An input autograd records costs the way back of its gradient, from the layout
 the backward gives it (:func:`gradient_under`) to the input's own.
@@ -61,7 +66,7 @@ def choose(problem: Problem, as_they_are: bool = False):
     then reduces where it says so."""
     templates = out_templates(problem)
     kept = [c for c in problem.candidates if all(nd == lay.nd_sbp for lay, nd in zip(problem.in_layouts, c.inputs))]
-    exact = [c for c in kept if output_cost(problem.in_layouts, c, templates) == (0, 0)
+    exact = [c for c in kept if output_cost(problem.in_layouts, c, templates, problem.sunk) == (0, 0)
              and not _kernel_bytes(problem, c)]
     if exact:
         return least(exact, lambda c: (0, 0))
@@ -79,20 +84,21 @@ def cost(problem: Problem, c, templates: list = None) -> tuple:
     cheaper), the reduction an input made partial defers (not where the op's own contraction sums
     it), each recorded input's gradient's way back, and what the outputs owe later."""
     total, steps = 0, 0
-    contracted = contracting_axes(c)
+    absorbed = contracting_axes(c) | sunk_axes(problem.sunk, c)
     for lay, nd, grad, kept in zip(problem.in_layouts, c.inputs, problem.recorded, problem.kept_copies):
         target = lay.with_sbp(nd)
         plans = [plan_boxing(lay, target)]
         if kept is not None:
             plans = [min(plans[0], plan_boxing(kept, target), key=lambda p: p.bytes)]
-        if any(v.is_partial and not u.is_partial and a not in contracted
+        if any(v.is_partial and not u.is_partial and a not in absorbed
                for a, (u, v) in enumerate(zip(lay.nd_sbp, nd))):
             plans.append(plan_boxing(target, lay))
         if grad:
             plans.append(plan_boxing(gradient_under(target, c), gradient_layout(lay)))
         total += sum(p.bytes for p in plans)
         steps += sum(len(p.steps) for p in plans)
-    later = output_cost(problem.in_layouts, c, out_templates(problem) if templates is None else templates)
+    later = output_cost(problem.in_layouts, c, out_templates(problem) if templates is None else templates,
+                        problem.sunk)
     return total + later[0] + _kernel_bytes(problem, c), steps + later[1]
 
 
@@ -106,10 +112,11 @@ def _kernel_bytes(problem: Problem, c) -> int:
                                 outs, any(problem.recorded))
 
 
-def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
+def output_cost(in_layouts: list, c, out_layouts: list, sunk: frozenset = frozenset()) -> tuple:
     """(bytes, steps) to reduce the partial outputs ``c`` owes (see the module's docstring) and to
     gather back the splits it makes where no input keeps a split (``out_layouts``: the outputs'
-    shapes and dtypes)."""
+    shapes and dtypes); ``sunk``: the ``(output, axis)`` whose partial sum a gradient sink reduces
+    with another anyway (gradient_sinks.py), owing nothing."""
     ndim = len(c.outputs[0]) if c.outputs else 0
     kept = {a for a in range(ndim)
             if any(lay.nd_sbp[a].is_split and nd[a] == lay.nd_sbp[a] for lay, nd in zip(in_layouts, c.inputs))}
@@ -122,9 +129,9 @@ def output_cost(in_layouts: list, c, out_layouts: list) -> tuple:
         nd[a].is_broadcast and _combines(lay) for lay, nd in zip(in_layouts, c.inputs)))}
     indexed = {a for a in meets if a not in owed and any(nd[a].is_broadcast for nd in c.inputs)}
     total, steps = 0, 0
-    for lay, nd in zip(out_layouts, c.outputs):
-        back = tuple(broadcast if (v.is_partial and a in owed | indexed) or (v.is_split and a not in kept) else v
-                     for a, v in enumerate(nd))
+    for j, (lay, nd) in enumerate(zip(out_layouts, c.outputs)):
+        back = tuple(broadcast if (v.is_partial and a in owed | indexed and (j, a) not in sunk)
+                     or (v.is_split and a not in kept) else v for a, v in enumerate(nd))
         if back != nd:
             plan = plan_boxing(lay.with_sbp(nd), lay.with_sbp(back))
             total += plan.bytes
@@ -139,6 +146,14 @@ def contracting_axes(c) -> set:
     ndim = len(c.outputs[0]) if c.outputs else 0
     return {a for a in range(ndim) if any(out[a].is_partial for out in c.outputs)
             and any(nd[a].is_split for nd in c.inputs)}
+
+
+def sunk_axes(sunk: frozenset, c) -> set:
+    """The placement axes on which every partial output of ``c`` is summed by a gradient sink
+    (gradient_sinks.py): an input made partial there joins that sum, owing nothing."""
+    ndim = len(c.outputs[0]) if c.outputs else 0
+    return {a for a in range(ndim) if any(out[a].is_partial for out in c.outputs)
+            and all((j, a) in sunk for j, out in enumerate(c.outputs) if out[a].is_partial)}
 
 
 def _combines(layout: Layout) -> bool:

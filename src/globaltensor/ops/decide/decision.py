@@ -15,6 +15,7 @@ from ...boxing import Layout
 from ...boxing.interned import intern
 from ..schema.op_record import record
 from .candidates import Problem
+from .cost import gradient_under
 from .route import Route
 
 
@@ -37,6 +38,7 @@ class Decision:
     lists: object = None                # a list op's plan (decide/lists.py)
     decomposition: Optional[Callable] = None
     placement_to: object = None         # an "align" route: the placement the op runs on
+    marks: list = field(default_factory=list)        # (position, axes): an input whose gradient is partial there
     run: Optional[Callable] = field(default=None, repr=False)    # the executor's runner of it
 
     @property
@@ -51,7 +53,20 @@ def on_pieces(r: Route, problem: Problem, chosen) -> Decision:
                    for (shape, dtype), nd in zip(problem.out_meta, chosen.outputs)]
     slots = [isinstance(o, torch.Tensor) for o in r.meta_out] if r.out_kind in ("tuple", "list") else None
     return Decision("local", r.func, r.positions, targets, r.out_kind, out_layouts, slots, r.rule.local,
-                    r.rule.kernel, problem.written, problem.returned, _view_base(r, targets), chosen)
+                    r.rule.kernel, problem.written, problem.returned, _view_base(r, targets), chosen,
+                    marks=_partial_gradients(r, problem, targets, chosen))
+
+
+def _partial_gradients(r: Route, problem: Problem, targets: list, chosen) -> list:
+    """``(position, axes)`` of each recorded input whose gradient the signature makes partial on
+    ``axes``: the executor marks its gradient's sink (ops/gradient_sinks.py)."""
+    marks = []
+    for k, (target, recorded) in enumerate(zip(targets, problem.recorded)):
+        axes = tuple(a for a, v in enumerate(gradient_under(target, chosen).nd_sbp) if v.is_partial) \
+            if recorded else ()
+        if axes:
+            marks.append((r.positions[k], axes))
+    return marks
 
 
 def through_twin(r: Route, problem: Problem) -> Decision:

@@ -9,7 +9,8 @@ the decision is made and cached with it:
   paths of writes/metadata_ops.py, scalar_read.py, the decomposition dispatched again, fallback.py,
   writes/written_inputs.py and align_placements.py.
 
-What an op writes into a copy-view is then put back into its base, and a view op's result whose
+A decision that makes a recorded input's gradient partial marks where that gradient is summed
+(ops/gradient_sinks.py). What an op writes into a copy-view is then put back into its base, and a view op's result whose
 pieces are copies remembers how it was made (writes/copy_views.py).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from ..decide.decision import Decision
 from ..align_placements import run_aligned
 from ..fallback import run_fallback
+from ..gradient_sinks import MarkRun
 from ..scalar_read import read_scalar
 from ..writes.written_inputs import write_back
 from ..writes.metadata_ops import run_inplace_view
@@ -45,6 +47,8 @@ _RUNNERS = {
 def runner(d: Decision) -> Callable:
     """The callable running ``d``."""
     run = _RUNNERS[d.route](d)
+    if d.marks:
+        run = MarkRun(run, d.marks, d.placement)
     if d.written:
         return WriteRun(run, [d.positions[k] for k in d.written])
     if d.view_base is not None:

@@ -219,8 +219,8 @@ def _ring_backward(func, ins, calls):
 
 
 register_rule(_FWD, _forward_candidates, local=_local(_FWD, 0), kernel=_forward_kernel,
-              kernel_bytes=attention_kernel_bytes(0), admit=admit_attention(0), head_tail=_sequence_forward,
+              kernel_bytes=attention_kernel_bytes(0), admit=admit_attention(0), any_order=_sequence_forward,
               keyed=DROPOUT)
 register_rule(_BWD, _backward_candidates, local=_local(_BWD, 1), kernel=_backward_kernel,
-              kernel_bytes=attention_kernel_bytes(1), admit=admit_attention(1), head_tail=_sequence_backward,
+              kernel_bytes=attention_kernel_bytes(1), admit=admit_attention(1), any_order=_sequence_backward,
               keyed=DROPOUT)

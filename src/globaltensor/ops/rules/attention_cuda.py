@@ -130,10 +130,10 @@ def _kernel(ring_kernel, q_index):
 for _op in _FORWARD:
     if exists(_op):
         register_rule(_op, _forward(_op), kernel=_kernel(ring_forward_kernel, 0), kernel_bytes=attention_kernel_bytes(0),
-                      admit=keeps_the_work_divided(0), head_tail=_ring_only(_op, ring_forward_candidates),
+                      admit=keeps_the_work_divided(0), any_order=_ring_only(_op, ring_forward_candidates),
                       keyed=DROPOUT)
 for _op, _grad in _BACKWARD.items():
     if exists(_op):
         register_rule(_op, _backward(_op, _grad), kernel=_kernel(ring_backward_kernel, 1),
                       kernel_bytes=attention_kernel_bytes(1), admit=keeps_the_work_divided(1),
-                      head_tail=_ring_only(_op, ring_backward_candidates), keyed=DROPOUT)
+                      any_order=_ring_only(_op, ring_backward_candidates), keyed=DROPOUT)

@@ -49,4 +49,4 @@ def _on_rank_device(rank, ins, outs, *args, **kwargs):
     return with_arg(aten._to_copy.default, args, kwargs, "device", get_world().device(placement.type, rank))
 
 
-register_rule(aten._to_copy.default, _candidates, local=_on_rank_device, blocked=True)
+register_rule(aten._to_copy.default, _candidates, local=_on_rank_device, any_order=True)

@@ -78,7 +78,7 @@ def _embedding_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-register_rule(aten.embedding.default, _embedding_candidates, kernel=_embedding_kernel, head_tail=_ids_split)
+register_rule(aten.embedding.default, _embedding_candidates, kernel=_embedding_kernel, any_order=_ids_split)
 
 
 def _dense_backward_candidates(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
@@ -111,7 +111,7 @@ def _dense_backward_kernel(func, args, kwargs, ins, outs, calls):
 
 
 register_rule(aten.embedding_dense_backward.default, _dense_backward_candidates, kernel=_dense_backward_kernel,
-              head_tail=_rows_scattered)
+              any_order=_rows_scattered)
 
 
 def _renorm_kernel(func, args, kwargs, ins, outs, calls):

@@ -40,9 +40,8 @@ def _like(partial_stays: bool):
     return rule
 
 
-register_rule(aten.zeros_like.default, _like(partial_stays=True), blocked=True)
-register_rule([aten.ones_like.default, aten.full_like.default, aten.empty_like.default], _like(partial_stays=False),
-              blocked=True)
+register_rule(aten.zeros_like.default, _like(partial_stays=True))
+register_rule([aten.ones_like.default, aten.full_like.default, aten.empty_like.default], _like(partial_stays=False))
 
 
 def _random_like(draw):
@@ -57,8 +56,8 @@ def _random_like(draw):
     return kernel
 
 
-register_rule(aten.rand_like.default, _like(partial_stays=False), kernel=_random_like(rng.uniform), head_tail=True)
-register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_random_like(rng.normal), head_tail=True)
+register_rule(aten.rand_like.default, _like(partial_stays=False), kernel=_random_like(rng.uniform), any_order=True)
+register_rule(aten.randn_like.default, _like(partial_stays=False), kernel=_random_like(rng.normal), any_order=True)
 
 
 def _randint_like(func, args, kwargs, ins, outs, calls):
@@ -72,7 +71,7 @@ def _randint_like(func, args, kwargs, ins, outs, calls):
 
 
 register_rule([aten.randint_like.default, aten.randint_like.low_dtype], _like(partial_stays=False),
-              kernel=_randint_like, head_tail=True)
+              kernel=_randint_like, any_order=True)
 
 
 def _new(op):
@@ -94,4 +93,4 @@ def _new(op):
 for _op in (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
             aten.new_empty_strided.default):
     _rule, _local = _new(_op)
-    register_rule(_op, _rule, local=_local, head_tail=True)
+    register_rule(_op, _rule, local=_local, any_order=True)

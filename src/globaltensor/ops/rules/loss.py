@@ -217,6 +217,6 @@ def _blocked_rows_aligned(sources, targets) -> bool:
 
 
 register_rule([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default], _nll_forward_candidates,
-              kernel=_nll_forward_kernel, blocked=_row_split_candidates, admit=_blocked_rows_aligned)
+              kernel=_nll_forward_kernel, any_order=_row_split_candidates, admit=_blocked_rows_aligned)
 register_rule([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default], _nll_backward_candidates,
-              local=_nll_backward_local, blocked=_row_split_backward)
+              local=_nll_backward_local, any_order=_row_split_backward)

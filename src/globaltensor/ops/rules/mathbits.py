@@ -16,6 +16,5 @@ from .common import each_dim_kept
 
 register_rule([aten._conj.default, aten._neg_view.default, aten._conj_physical.default,
                aten.resolve_conj.default, aten.resolve_neg.default],
-              lambda x: each_dim_kept(x, linear=True), blocked=True)
-register_rule(aten.view_as_complex.default, lambda x: each_dim_kept(x, linear=True, skip=(x.dim() - 1,)),
-              blocked=True)
+              lambda x: each_dim_kept(x, linear=True))
+register_rule(aten.view_as_complex.default, lambda x: each_dim_kept(x, linear=True, skip=(x.dim() - 1,)))

@@ -47,13 +47,13 @@ from .pointwise import pointwise_candidates
 
 # -- layer norm ------------------------------------------------------------------------------
 
-@register_rule(aten.native_layer_norm.default, blocked=True)
+@register_rule(aten.native_layer_norm.default)
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     affine = [B for t in (weight, bias) if t is not None]
     return [sig([S(d)] + affine, [S(d)] * 3) for d in range(x.dim() - len(normalized_shape))]
 
 
-@register_rule(aten.native_layer_norm_backward.default, blocked=True)
+@register_rule(aten.native_layer_norm_backward.default)
 def _layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
     present = [t is not None for t in aten.native_layer_norm_backward.default(
         grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask)]
@@ -120,10 +120,10 @@ def _native_dropout_kernel(func, args, kwargs, ins, outs, calls):
     return results
 
 
-register_rule(aten.native_dropout.default, _native_dropout_candidates, kernel=_native_dropout_kernel, head_tail=True)
+register_rule(aten.native_dropout.default, _native_dropout_candidates, kernel=_native_dropout_kernel, any_order=True)
 
 
-@register_rule(aten.native_dropout_backward.default, head_tail=True)
+@register_rule(aten.native_dropout_backward.default)
 def _native_dropout_backward(grad_output, mask, scale):
     return pointwise_candidates([grad_output, mask], grad_output.dim(), tuple(grad_output.shape)) + [
         sig([P, B], [P])]
@@ -159,7 +159,7 @@ def _probability_tensor(self, p, *args, **kwargs):
     return pointwise_candidates([self, p], self.dim(), tuple(self.shape))
 
 
-register_rule([aten.bernoulli.p, aten.bernoulli_.float], _values_unused, kernel=_bernoulli_kernel, head_tail=True)
-register_rule(aten.bernoulli.default, _values_kept, kernel=_bernoulli_kernel, head_tail=True)
+register_rule([aten.bernoulli.p, aten.bernoulli_.float], _values_unused, kernel=_bernoulli_kernel, any_order=True)
+register_rule(aten.bernoulli.default, _values_kept, kernel=_bernoulli_kernel, any_order=True)
 register_rule([aten.bernoulli.Tensor, aten.bernoulli_.Tensor], _probability_tensor, kernel=_bernoulli_kernel,
-              head_tail=True)
+              any_order=True)

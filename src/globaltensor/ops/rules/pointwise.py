@@ -125,12 +125,12 @@ def _register_all():
         if packet is not None:
             for overload in packet.overloads():
                 op = getattr(packet, overload)
-                register_rule(op, _pointwise(name, op), blocked=True,
+                register_rule(op, _pointwise(name, op),
                               keyed={"value": is_zero} if name in ("masked_fill", "masked_fill_") else None)
 
 
 _register_all()
-register_tag_rule(torch.Tag.pointwise, _pointwise(""), blocked=True)
+register_tag_rule(torch.Tag.pointwise, _pointwise(""))
 
 
 def _fill(x, *args, **kwargs):

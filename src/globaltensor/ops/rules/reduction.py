@@ -122,7 +122,7 @@ def _mean_local(op, spec: Reduction):
 def _register(ops, spec: Reduction) -> None:
     for op in ops:
         register_rule(op, reduction_candidates(op, spec), local=_mean_local(op, spec) if spec.divides else None,
-                      blocked=True)
+                      any_order=True)
 
 
 _ALL = Reduction(dim_arg=None)

@@ -128,6 +128,6 @@ def split_softmax_backward_kernel(func, args, kwargs, ins, outs, calls):
 
 
 register_rule([aten._softmax.default, aten._log_softmax.default], _softmax, kernel=split_softmax_kernel,
-              blocked=_rows_kept)
+              any_order=_rows_kept)
 register_rule([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default], _softmax_backward,
-              kernel=split_softmax_backward_kernel, blocked=_rows_kept_backward)
+              kernel=split_softmax_backward_kernel, any_order=_rows_kept_backward)

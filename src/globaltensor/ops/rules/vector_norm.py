@@ -112,4 +112,4 @@ def _kernel_bytes(sources, ins, outs, recorded: bool) -> int:
 
 
 for _op, _spec in _OPS.items():
-    register_rule(_op, _candidates(_op, _spec), kernel=_kernel(_spec), kernel_bytes=_kernel_bytes, blocked=True)
+    register_rule(_op, _candidates(_op, _spec), kernel=_kernel(_spec), kernel_bytes=_kernel_bytes, any_order=True)

@@ -115,7 +115,7 @@ def _local_view(rank, ins, outs, x, size, *rest, **kwargs):
 
 
 register_rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default], _view_candidates,
-              local=_local_view, check_shapes=True, blocked=_view_blocked)
+              local=_local_view, check_shapes=True, any_order=_view_blocked)
 
 
 def _expand(x, size, *rest, **kwargs):
@@ -123,30 +123,30 @@ def _expand(x, size, *rest, **kwargs):
     return [sig([S(d)], [S(d + off)]) for d in range(x.dim()) if x.shape[d] != 1] + [sig([P], [P])]
 
 
-register_rule(aten.expand.default, _expand, local=_local_size, blocked=True)
+register_rule(aten.expand.default, _expand, local=_local_size, any_order=True)
 
 
 # -- dim permutations --------------------------------------------------------------------------
 
-@register_rule(aten.transpose.int, blocked=True)
+@register_rule(aten.transpose.int)
 def _transpose(x, d0, d1):
     d0, d1 = norm_dim(d0, x.dim()), norm_dim(d1, x.dim())
     swap = {d0: d1, d1: d0}
     return [sig([S(d)], [S(swap.get(d, d))]) for d in range(x.dim())] + [sig([P], [P])]
 
 
-@register_rule(aten.t.default, blocked=True)
+@register_rule(aten.t.default)
 def _t(x):
     return _transpose(x, 0, 1) if x.dim() == 2 else [sig([P], [P])] + ([sig([S(0)], [S(0)])] if x.dim() else [])
 
 
-@register_rule(aten.permute.default, blocked=True)
+@register_rule(aten.permute.default)
 def _permute(x, dims):
     dims = [norm_dim(d, x.dim()) for d in dims]
     return [sig([S(d)], [S(dims.index(d))]) for d in range(x.dim())] + [sig([P], [P])]
 
 
-@register_rule(aten.unsqueeze.default, blocked=True)
+@register_rule(aten.unsqueeze.default)
 def _unsqueeze(x, dim):
     dim = norm_dim(dim, x.dim() + 1)
     return [sig([S(d)], [S(d if d < dim else d + 1)]) for d in range(x.dim())] + [sig([P], [P])]
@@ -193,7 +193,7 @@ class _Shape:
         return len(self.shape)
 
 
-register_rule([aten.squeeze.dim, aten.squeeze.dims], _squeeze, local=_squeeze_local, blocked=True)
+register_rule([aten.squeeze.dim, aten.squeeze.dims], _squeeze, local=_squeeze_local, any_order=True)
 # squeeze() takes no dims to rewrite: the per-rank check drops splits whose pieces have a size-1 dim.
 register_rule(aten.squeeze.default, _squeeze, check_shapes=True)
 
@@ -235,7 +235,7 @@ def _slice_local(rank, ins, outs, x, *args, **kwargs):
 register_rule(aten.slice.Tensor, _slice, local=_slice_local, check_shapes=True)
 
 
-@register_rule(aten.select.int, blocked=True)
+@register_rule(aten.select.int)
 def _select(x, dim, index):
     dim = norm_dim(dim, x.dim())
     return [sig([S(d)], [S(d - (d > dim))]) for d in range(x.dim()) if d != dim] + [sig([P], [P])]
@@ -261,11 +261,11 @@ def _split_local(rank, ins, outs, x, sizes, dim=0):
     return (x, parts if isinstance(sizes, (list, tuple)) else parts[0], dim), {}
 
 
-register_rule([aten.split.Tensor, aten.split_with_sizes.default], _split, local=_split_local, blocked=True,
+register_rule([aten.split.Tensor, aten.split_with_sizes.default], _split, local=_split_local, any_order=True,
               check_shapes=True)      # a rank whose parts of the blocks are empty cuts no parts
 
 
-@register_rule(aten.unbind.int, blocked=True)
+@register_rule(aten.unbind.int)
 def _unbind(x, dim=0):
     """One gather of a split ``dim`` for all the outputs, not one per ``select``."""
     dim = norm_dim(dim, x.dim())
@@ -344,7 +344,7 @@ register_rule(aten.diagonal_backward.default, _diagonal_backward, local=_local_i
 
 # -- joining -----------------------------------------------------------------------------------
 
-@register_rule(aten.cat.default, blocked=True)
+@register_rule(aten.cat.default)
 def _cat(tensors, dim=0):
     ts = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
     nd = ts[0].dim() if ts else 1
@@ -357,7 +357,7 @@ def _cat(tensors, dim=0):
     return keep + [sig([P] * len(tensors), [P])]
 
 
-@register_rule(aten.stack.default, blocked=True)
+@register_rule(aten.stack.default)
 def _stack(tensors, dim=0):
     nd = tensors[0].dim()
     dim = norm_dim(dim, nd + 1)
