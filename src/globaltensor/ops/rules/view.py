@@ -304,7 +304,7 @@ def _pad_pieces(func, args, kwargs, ins, outs, calls):
 
 
 register_rule(aten.constant_pad_nd.default, _constant_pad, kernel=None if _pads_empty_pieces() else _pad_pieces,
-              keyed={"value": is_zero})
+              any_order=True, keyed={"value": is_zero})     # the kernel reads the pieces' shapes, no position
 
 
 @register_rule(aten.unfold.default)
