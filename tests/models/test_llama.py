@@ -77,9 +77,9 @@ def test_grouped_query_attention_keeps_the_head_split(p1):
     all-reduces only -- no all-to-all to a batch split, no gathered weight. Megatron repeats the kv
     projections over the ranks: its 8 all-reduces, and the kv weights' gradients reduced. Here the
     k and v gradients' contributions to the layer input's gradient stay partial and join the query
-    projection's, reduced once (ops/gradient_sinks.py); v's weight gradient joins the bucket; k's
-    gradient is reduced where it meets RoPE's backward (the op-by-op choice's tie): at most 12
-    collectives and 1.1x Megatron's bytes (benchmarks/models.py's llama-gqa row: 11, 1.06x)."""
+    projection's, reduced once (ops/gradient_sinks.py), RoPE's backward and ``k_proj``'s included;
+    the k and v weights' gradients join the bucket: Megatron's bytes, in fewer collectives
+    (benchmarks/models.py's llama-gqa row: 9 against 12)."""
     model = make_model("llama", "sdpa", kv_heads=2)
     run = train_hf_side_by_side("llama", p1, gt.nn.llama_plan(model, 4), B, "sdpa", kv_heads=2)
     records = [(r.op, r.bytes) for r in run.records]
@@ -87,7 +87,7 @@ def test_grouped_query_attention_keeps_the_head_split(p1):
     kv_weights = [p for n, p in run.model.named_parameters() if n.endswith(("k_proj.weight", "v_proj.weight"))]
     megatron = sum(b for _, b in megatron_collectives(tp=4)) + sum(2 * 3 * p.numel() * 8 // 4 for p in kv_weights)
     assert len(records) <= len(megatron_collectives(tp=4)) + len(kv_weights), records
-    assert sum(b for _, b in records) <= 1.1 * megatron, (records, megatron)
+    assert sum(b for _, b in records) <= megatron, (records, megatron)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

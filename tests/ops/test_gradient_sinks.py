@@ -60,6 +60,40 @@ def test_an_edge_whose_shape_an_unmarked_edge_shares_is_no_sink():
     assert not any(mode.seen)
 
 
+class _SinksAtMul(_SinksDuring):
+    """Records ``current_sinks()`` at each ``mul`` the backward runs."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mul.Tensor:
+            self.seen.append(current_sinks())
+        return func(*args, **(kwargs or {}))
+
+
+def _rotated_projection(rows: int, width: int):
+    """RoPE's shape of graph: ``x`` (marked) through a projection ``w`` (a leaf), its output's halves
+    swapped and one negated (``cat``, slices, ``neg``), times a constant; the sinks the ``mul``'s
+    backward sees."""
+    x = torch.randn(rows, 4, requires_grad=True) * 1
+    w = torch.randn(4, width, requires_grad=True)
+    mark(x, "placement", (0,))
+    y = x @ w
+    half = width // 2
+    z = torch.cat([-y[:, half:], y[:, :half]], 1) * torch.randn(rows, width)
+    with _SinksAtMul() as mode:
+        z.sum().backward()
+    return [s for sinks in mode.seen if sinks for s in sinks]
+
+
+def test_a_sink_reaches_through_moved_elements_and_a_product_whose_weight_is_no_larger():
+    """The gradient entering the ``cat`` reaches ``x`` (marked) through the product; the product's
+    weight gradient (4 x 2 = 8 elements against the 16 x 2 coming in) is reduced at its size."""
+    assert ((16, 2), "placement", (0,)) in _rotated_projection(rows=16, width=2)
+
+
+def test_no_sink_through_a_product_whose_weight_is_larger_than_the_gradient():
+    """2 rows through a 4 x 8 weight: its gradient (32 elements) would cost more than the 16 coming in."""
+    assert _rotated_projection(rows=2, width=8) == []
+
+
 def _projections(p, with_column_parallel: bool):
     """A layer input ``x`` (broadcast) through a broadcast projection ``wk`` whose output's gradient
     comes partial (as sdpa's gives GQA's k), and with a column-parallel one ``wq`` beside it."""

@@ -7,6 +7,9 @@ marks the autograd node that sums ``x``'s gradient contributions (``x.grad_fn``,
 projection takes its own view of ``x``). In the backward, an op whose output is a contribution
 flowing into a marked node (past views again) may leave that output partial on the marked axes at no
 cost: the sum is partial anyway and is reduced once, where Megatron's backward all-reduce is.
+A few nodes ahead count too (:func:`sink_marks`): a backward that only moves elements (RoPE's
+rotated halves) into sinks, and a matrix product's whose input gradient meets a sink and whose
+weight, no larger than the gradient coming in, takes a partial gradient to the buckets.
 
 Without it, a projection whose weight a plan leaves broadcast -- GQA's key and value projections
 when the kv heads do not divide the ranks -- gets a partial gradient from attention, and the
@@ -27,6 +30,12 @@ _PASS_THROUGH = frozenset({
     "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0", "TransposeBackward0",
     "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
     "AliasBackward0", "CloneBackward0"})
+#: backward nodes that move the incoming gradient's elements to their inputs, summing none
+_MOVES_ELEMENTS = frozenset({"CatBackward0", "SliceBackward0", "NegBackward0", "SplitBackward0",
+                             "SplitWithSizesBackward0", "UnbindBackward0", "StackBackward0", "SelectBackward0"})
+#: backward nodes of a matrix product: its input gradient and its weight gradient, each linear in the incoming one
+_PRODUCTS = frozenset({"MmBackward0"})
+_LEAF = "torch::autograd::AccumulateGrad"
 _current_node = torch._C._current_autograd_node
 
 
@@ -63,20 +72,68 @@ def current_sinks():
 
 
 def _sinks_of(node):
-    """The marked edges of ``node``, but those whose gradient shape an unmarked edge shares (an output
-    of that shape may be the unmarked edge's)."""
-    found, unmarked = [], set()
+    """The edges of ``node`` into a sink, but those whose gradient shape an edge into none shares (an
+    output of that shape may be that edge's)."""
+    found, elsewhere = [], set()
     for nxt, nr in node.next_functions:
         if nxt is None:
             continue
-        merged = merge_node(nxt)
-        marks = merged.metadata.get(MARK) if merged is not None else None
         shape = tuple(nxt._input_metadata[nr].shape)
+        marks = sink_marks(nxt, _numel(shape))
         if not marks:
-            unmarked.add(shape)
+            elsewhere.add(shape)
             continue
         found += [(shape, placement, tuple(sorted(axes))) for placement, axes in marks.items()]
-    return tuple(f for f in found if f[0] not in unmarked) or False
+    return tuple(f for f in found if f[0] not in elsewhere) or False
+
+
+def sink_marks(node, incoming: int, depth: int = 4):
+    """``{placement: axes}`` on which a partial gradient of ``incoming`` elements entering ``node``
+    is summed with a partial one anyway, or None. A marked node (past views) is such a sink; so,
+    ``depth`` nodes deep, is a node that only moves the gradient's elements (a ``cat``'s, a slice's,
+    a negation's backward) with every edge into one, and a matrix product's backward with its input
+    edge into one and a weight no larger than the gradient: the weight's gradient, partial too, is
+    reduced in the gradient buckets at the weight's size (RoPE's backward before GQA's broadcast
+    ``k_proj``: the rotated halves, then ``k_proj``, whose input gradient joins ``q_proj``'s)."""
+    node = merge_node(node)
+    if node is None:
+        return None
+    marks = node.metadata.get(MARK)
+    if marks or depth == 0:
+        return marks or None
+    name = node.name()
+    if name in _MOVES_ELEMENTS:
+        return _through(node, depth, largest_leaf=0)
+    if name in _PRODUCTS:
+        return _through(node, depth, largest_leaf=incoming)
+    return None
+
+
+def _through(node, depth: int, largest_leaf: int):
+    """The marks every edge of ``node`` meets (a leaf of at most ``largest_leaf`` elements meets any),
+    where some edge meets marks; else None."""
+    found = None
+    for nxt, nr in node.next_functions:
+        if nxt is None:
+            continue
+        size = _numel(nxt._input_metadata[nr].shape)
+        merged = merge_node(nxt)
+        if merged is not None and merged.name() == _LEAF and size <= largest_leaf and not merged.metadata.get(MARK):
+            continue
+        marks = sink_marks(nxt, size, depth - 1)
+        if not marks:
+            return None
+        found = marks if found is None else {p: found[p] & a for p, a in marks.items() if p in found and found[p] & a}
+        if not found:
+            return None
+    return found
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def sunk_outputs(sinks, out_meta: list, placement) -> frozenset:
