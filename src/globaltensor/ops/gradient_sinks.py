@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sbp.shape import numel
+
 MARK = "globaltensor.partial_gradient"
 SINKS = "globaltensor.sinks"
 #: nodes that pass a gradient on to one input, linearly and with no sum of their own: a mark looks past them
@@ -79,7 +81,7 @@ def _sinks_of(node):
         if nxt is None:
             continue
         shape = tuple(nxt._input_metadata[nr].shape)
-        marks = sink_marks(nxt, _numel(shape))
+        marks = sink_marks(nxt, numel(shape))
         if not marks:
             elsewhere.add(shape)
             continue
@@ -116,7 +118,7 @@ def _through(node, depth: int, largest_leaf: int):
     for nxt, nr in node.next_functions:
         if nxt is None:
             continue
-        size = _numel(nxt._input_metadata[nr].shape)
+        size = numel(nxt._input_metadata[nr].shape)
         merged = merge_node(nxt)
         if merged is not None and merged.name() == _LEAF and size <= largest_leaf and not merged.metadata.get(MARK):
             continue
@@ -127,13 +129,6 @@ def _through(node, depth: int, largest_leaf: int):
         if not found:
             return None
     return found
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def sunk_outputs(sinks, out_meta: list, placement) -> frozenset:
