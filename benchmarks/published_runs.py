@@ -12,6 +12,13 @@ their authors measured.
   the 462B row -- the largest run, the one Megatron-LM leads with -- predicts its published 47 %;
   the other rows are predicted with it. Which row calibrates matters: the sensitivity table
   calibrates on each row in turn and gives the other rows' errors.
+- **torchtitan's published Llama 3.1 runs** (pytorch/torchtitan/benchmarks/llama3_h100_202412_torchtitan.md: H100s of
+  96 GB HBM2e, torch of 2024-12-23): each run's per-GPU memory predicted from its layout as torchtitan
+  ran it (FSDP's weights gathered once a step within a pipeline, ``pipeline_parallel_microbatches``
+  defaulting to the stage count, its selective or full activation checkpointing), against the
+  published figure -- the allocator's peak *reserved* bytes, where the model counts the tensors
+  alive. And the run that published an out-of-memory (405B on 128 H100s with FSDP alone) must
+  never be predicted to fit, nor a run that trained predicted not to.
 - **Planning time**: ``plan_at_scale`` over every degree for Llama 3.1 405B on 1,024 H100s and 8B
   on 64, the seconds it takes.
 
@@ -21,6 +28,7 @@ every machine).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import _harness as H  # noqa: F401 -- puts the checkout's src on the path
 
@@ -42,6 +50,52 @@ MEGATRON = [("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 0.41),
 CALIBRATION_ROW = "462B"
 LLAMA_405B = TransformerShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq=8192)
 LLAMA_8B = TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+LLAMA_70B = TransformerShape(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192)
+#: torchtitan's H100s (Grand Teton: 96 GB of HBM2e, 95 GiB to the allocator)
+TITAN_H100 = replace(H100, name="H100 (96 GB)", memory=95 * 2 ** 30)
+
+
+def _titan(table, run, shape, seq, layout, batch, published, unmodelled=""):
+    return (table, run, replace(shape, seq=seq), layout, batch, published, unmodelled)
+
+
+#: torchtitan's published runs: (table, run, shape, layout, global batch, published peak reserved GiB
+#: -- None where the run went out of memory --, what the run used that the model does not know).
+#: Tables 1-6 of torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (of the rows that differ only by
+#: torch.compile, Float8 or async TP, the one with the fewest of them), and docs/performance.md's
+#: 405B on 128 H100s (2024), where FSDP alone went out of memory and FSDP 16 x TP 8 trained.
+TITAN = [
+    _titan("1", "8B, FSDP 8, local batch 2", LLAMA_8B, 8192,
+           ScaleLayout(dp=8, micro_batch=2, recompute="selective", zero=3), 16, 82.4),
+    _titan("2", "8B, FSDP 8, CP 1, 32k", LLAMA_8B, 32768, ScaleLayout(dp=8, recompute="full", zero=3), 8, 83.9,
+           "compile, Float8"),
+    _titan("2", "8B, FSDP 4, CP 2, 64k", LLAMA_8B, 65536, ScaleLayout(dp=4, cp=2, recompute="full", zero=3), 4, 84.2,
+           "compile, Float8"),
+    _titan("2", "8B, FSDP 2, CP 4, 128k", LLAMA_8B, 131072, ScaleLayout(dp=2, cp=4, recompute="full", zero=3), 2,
+           84.0, "compile, Float8"),
+    _titan("2", "8B, FSDP 1, CP 8, 256k", LLAMA_8B, 262144, ScaleLayout(dp=1, cp=8, recompute="full", zero=3), 1,
+           84.5, "compile, Float8"),
+    _titan("3", "8B, FSDP 128, local batch 2", LLAMA_8B, 8192,
+           ScaleLayout(dp=128, micro_batch=2, recompute="selective", zero=3), 256, 67.0),
+    _titan("4", "70B, FSDP 32 x TP 8, local batch 16", LLAMA_70B, 8192,
+           ScaleLayout(dp=32, tp=8, micro_batch=16, recompute="full", zero=3), 512, 71.9, "compile, Float8"),
+    _titan("5", "405B, FSDP 8 x TP 8 x PP 8, 1F1B", LLAMA_405B, 8192,
+           ScaleLayout(dp=8, tp=8, pp=8, micro_batch=4, recompute="full", zero=3), 256, 82.5,
+           "compile, Float8, async TP"),
+    _titan("5", "405B, FSDP 8 x TP 8 x PP 8, interleaved 1F1B", LLAMA_405B, 8192,
+           ScaleLayout(dp=8, tp=8, pp=8, micro_batch=4, virtual=2, recompute="full", zero=3), 256, 72.7,
+           "compile, Float8, async TP"),
+    _titan("6", "405B, FSDP 8 x TP 8 x PP 8, CP 1, 32k", LLAMA_405B, 32768,
+           ScaleLayout(dp=8, tp=8, pp=8, recompute="full", zero=3), 64, 75.3, "compile, Float8, async TP"),
+    _titan("6", "405B, FSDP 4 x TP 8 x PP 8, CP 2, 64k", LLAMA_405B, 65536,
+           ScaleLayout(dp=4, tp=8, pp=8, cp=2, recompute="full", zero=3), 32, 75.9, "compile, Float8, async TP"),
+    _titan("6", "405B, FSDP 2 x TP 8 x PP 8, CP 4, 128k", LLAMA_405B, 131072,
+           ScaleLayout(dp=2, tp=8, pp=8, cp=4, recompute="full", zero=3), 16, 77.1, "compile, Float8, async TP"),
+    _titan("6", "405B, FSDP 1 x TP 8 x PP 8, CP 8, 256k", LLAMA_405B, 262144,
+           ScaleLayout(dp=1, tp=8, pp=8, cp=8, recompute="full", zero=3), 8, 84.9, "compile, Float8, async TP"),
+    _titan("2024", "405B, FSDP 128, local batch 2", LLAMA_405B, 8192,
+           ScaleLayout(dp=128, micro_batch=2, recompute="full", zero=3), 256, None),
+]
 
 
 def megatron_shape(heads: int, hidden: int, layers: int) -> TransformerShape:
@@ -104,6 +158,23 @@ def calibration_sensitivity() -> str:
     return "\n".join(lines)
 
 
+def titan_predictions():
+    """Each of torchtitan's published runs with its prediction on its H100s."""
+    return [(row, predict_scale(row[2], row[3], TITAN_H100, row[4])) for row in TITAN]
+
+
+def titan_memory_table() -> str:
+    lines = ["| table | run | published GiB | predicted GiB | error | predicted to fit | not modelled |",
+             "|---|---|---|---|---|---|---|"]
+    for (table, run, _, _, _, published, unmodelled), p in titan_predictions():
+        gib = p.peak_memory / 2 ** 30
+        shown = "out of memory" if published is None else f"{published:.1f}"
+        error = "" if published is None else f"{gib / published - 1:+.0%}"
+        fits = "yes" if p.peak_memory <= TITAN_H100.memory else "no"
+        lines.append(f"| {table} | {run} | {shown} | {gib:.1f} | {error} | {fits} | {unmodelled or '-'} |")
+    return "\n".join(lines)
+
+
 def planning_times() -> str:
     rows = ["| model | GPUs | global batch | layouts that fit | seconds | chosen |", "|---|---|---|---|---|---|"]
     for name, shape, gpus, batch in (("Llama 3.1 8B", LLAMA_8B, 64, 256), ("Llama 3.1 405B", LLAMA_405B, 1024, 512)):
@@ -119,6 +190,8 @@ def main() -> None:
     print(megatron_table())
     print()
     print(calibration_sensitivity())
+    print()
+    print(titan_memory_table())
     print()
     print(planning_times())
 

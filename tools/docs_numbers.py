@@ -220,6 +220,12 @@ def megatron_calibration() -> str:
     return published_runs.calibration_sensitivity()
 
 
+def titan_memory() -> str:
+    """docs/planning.md's table of torchtitan's published runs: per-GPU memory, published against predicted."""
+    import published_runs
+    return published_runs.titan_memory_table()
+
+
 REGIONS: Dict[str, Tuple[Path, Callable[[], str]]] = {
     "style-bytes": (HOWTO, style_bytes),
     "explain": (HOWTO, explain),
@@ -233,6 +239,7 @@ REGIONS: Dict[str, Tuple[Path, Callable[[], str]]] = {
     "models-bytes": (MODELS, models_table),
     "megatron-mfu": (PLANNING, megatron_mfu),
     "megatron-calibration": (PLANNING, megatron_calibration),
+    "titan-memory": (PLANNING, titan_memory),
 }
 
 

@@ -3,6 +3,9 @@ its flops as Megatron-LM counts them and as the meta run tallies them, and the s
 degree -- the chosen layout valid, fitting, and no slower than a published layout in the search."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -10,6 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 import globaltensor as gt
 import globaltensor.nn as gnn
 from globaltensor.nn.auto.scale_model import predict_scale
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 LLAMA_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256)
@@ -102,6 +108,46 @@ def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation(
     recomputed = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, recompute="full"), device, 64)
     first, last = kept.memory[0], kept.memory[max(kept.memory)]
     assert first > last and recomputed.memory[0] < first and recomputed.seconds > kept.seconds
+
+
+def test_selective_recomputation_sits_between_keeping_and_recomputing_everything():
+    """torchtitan's op-level policy keeps every other matmul's output and attention's: less memory
+    than keeping all and more than keeping the block's input alone; it recomputes half the
+    projections' matmuls where full recomputation recomputes them all."""
+    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+    device = gnn.DEVICES["H100"]
+    runs = {r: predict_scale(shape, gnn.ScaleLayout(dp=8, micro_batch=2, recompute=r, zero=3), device, 16)
+            for r in ("none", "selective", "full")}
+    memory = [runs[r].memory_parts["activations"] for r in ("none", "selective", "full")]
+    seconds = [runs[r].by_kind["matmul"] for r in ("none", "selective", "full")]
+    assert memory[0] > memory[1] > memory[2] and seconds[0] < seconds[1] < seconds[2]
+    assert "selective recompute" in gnn.ScaleLayout(dp=8, recompute="selective").text()
+
+
+def test_fsdp_within_a_pipeline_gathers_once_a_step():
+    """Within a pipeline FSDP keeps a stage's weights gathered and its gradients whole from the first
+    micro-batch to the last (torchtitan's reshard_after_forward=False), so its step costs and holds
+    what ZeRO-1's does, whatever the micro-batches; without a pipeline it holds one block's gathered
+    weights beside its shards and gathers them every micro-batch."""
+    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+    device = gnn.DEVICES["H100"]
+    for batch in (8, 64):
+        fsdp = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, zero=3), device, batch)
+        zero1 = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, zero=1), device, batch)
+        assert (fsdp.seconds, fsdp.memory) == (zero1.seconds, zero1.memory)
+    flat = [predict_scale(shape, gnn.ScaleLayout(dp=32, zero=3), device, batch) for batch in (32, 64)]
+    assert all(p.memory_parts["gathered weights"] > 0 for p in flat)
+    hidden = [p.by_kind["hidden communication"] for p in flat]
+    assert hidden[1] == pytest.approx(2 * hidden[0], rel=1e-9)
+
+
+def test_torchtitans_published_runs_are_predicted_to_fit_exactly_where_they_trained():
+    """benchmarks/published_runs.py's torchtitan runs on its 96 GB H100s: every run that trained is
+    predicted to fit, and the run that went out of memory (405B, FSDP alone on 128 GPUs) is not."""
+    import published_runs
+    for (table, run, *_, published, _), prediction in published_runs.titan_predictions():
+        fits = prediction.peak_memory <= published_runs.TITAN_H100.memory
+        assert fits == (published is not None), f"table {table}, {run}: {prediction.peak_memory / 2 ** 30:.1f} GiB"
 
 
 def test_bad_arguments_name_themselves():

@@ -47,14 +47,16 @@ MEMORY_PASSES = (8, 3)           # reads and writes of (the hidden state, the ML
 GRAD_BYTES = 4                   # float32 gradients kept
 REDUCE_BYTES = 2                 # reduced in bf16 (Megatron-core's default: grad_reduce_in_fp32 off)
 MASTER_BYTES = 12                # float32 master weights and Adam's two moments, per parameter
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
 class ScaleLayout:
     """Degrees of a layout: ``dp`` x ``tp`` x ``pp`` x ``cp`` ranks (``ep`` of the data ranks share
     the experts), ``micro_batch`` sequences a micro-batch, ``virtual`` chunks a pipeline stage,
-    ``recompute`` ("none" or "full": every block's activations recomputed in its backward) and
+    ``recompute`` ("none"; "selective": torchtitan's op-level policy, every other matmul's output and
+    attention's kept, the rest recomputed; "full": every block's activations recomputed in its
+    backward) and
     ``zero`` (1: the optimizer state split over the data and context ranks; 3: weights and
     gradients too)."""
     dp: int
@@ -97,7 +99,7 @@ class ScaleLayout:
     def text(self) -> str:
         return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
                 + f", micro-batch {self.micro_batch}" + (f", {self.virtual} chunks a stage" if self.virtual > 1 else "")
-                + (", full recompute" if self.recompute == "full" else "") + (", FSDP" if self.zero == 3 else ""))
+                + (f", {self.recompute} recompute" if self.recompute != "none" else "") + (", FSDP" if self.zero == 3 else ""))
 
 
 class _Costs:
@@ -151,10 +153,15 @@ def _block(shape: TransformerShape, lay: ScaleLayout, device: Device, moe: bool)
         width = shape.ffn
         mlp = 2 * tok * matrices * h * width / t
         gemms = 4 + matrices
-    passes = 3 + (1 if lay.recompute == "full" else 0)      # forward, backward (two forwards' worth), recompute
-    matmul = c.matmuls(passes * (projections + mlp), passes * gemms)
-    attention = c.attention(passes * 4 * tok * shape.seq * h / t / 2, passes * lay.cp)
+    full = 1 if lay.recompute == "full" else 0
+    recomputed = projections + mlp if full else 0.0
+    if lay.recompute == "selective":
+        recomputed = sum(2 * tok * out * inp / t for i, (out, inp) in enumerate(_matmuls(shape, width)) if i % 2)
+    # forward, backward (two forwards' worth), and what the backward recomputes
+    matmul = c.matmuls(3 * (projections + mlp) + recomputed, (3 + full) * gemms)
+    attention = c.attention((3 + full) * 4 * tok * shape.seq * h / t / 2, (3 + full) * lay.cp)
     hidden_passes, width_passes = MEMORY_PASSES
+    passes = 3 + (lay.recompute != "none")
     memory = c.memory(passes * tok * (hidden_passes * h + width_passes * width) * 2 * item / t, passes * 12)
     tp = c.collective(tok * h * item, t, True, 8)
     ring = c.collective(2 * tok * kv * item / t * lay.cp, lay.cp, t * lay.cp <= device.per_node, 3)
@@ -162,7 +169,7 @@ def _block(shape: TransformerShape, lay: ScaleLayout, device: Device, moe: bool)
     if moe and lay.ep > 1:
         experts = c.collective(tok * shape.top_k * h * item, lay.ep, t * lay.cp * lay.ep <= device.per_node, 4)
     fsdp = 0.0
-    if lay.zero == 3:
+    if lay.zero == 3 and lay.pp == 1:
         data = lay.dp * lay.cp
         fsdp = c.collective(shape.layer_params(moe) / t * item, data, t * data <= device.per_node, 3)
     compute = matmul + attention + memory
@@ -171,6 +178,15 @@ def _block(shape: TransformerShape, lay: ScaleLayout, device: Device, moe: bool)
     c.add("communication", shown)
     c.add("hidden communication", tp + ring + fsdp + experts - shown)
     return c
+
+
+def _matmuls(shape: TransformerShape, width: int) -> list:
+    """A block's projections in the order its forward runs them, as (output, input) features: the
+    query, key, value and output projections, then the MLP's (gated: gate and up, then down)."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    mlp = [(width, h)] * (3 if shape.gated else 2)
+    mlp[-1] = (h, width)
+    return [(h, h), (kv, h), (kv, h), (h, h), *mlp]
 
 
 def _head(shape: TransformerShape, lay: ScaleLayout, device: Device) -> _Costs:
@@ -196,13 +212,18 @@ def _rank_params(shape: TransformerShape, lay: ScaleLayout, stage_layers: int, m
 def activations_per_block(shape: TransformerShape, lay: ScaleLayout) -> float:
     """Bytes one block keeps for its backward per micro-batch on a rank: the inputs of its norms,
     projections, attention and MLP (flash attention keeps no score matrix), split over the tensor
-    ranks (sequence parallelism) and the context ranks; with full recomputation only its input."""
+    ranks (sequence parallelism) and the context ranks; with full recomputation only its input;
+    with torchtitan's selective policy its input, the outputs of its first, third, ... matmul (the
+    query, the value, the MLP's gate, its down projection) and attention's output."""
     tok = lay.micro_batch * shape.seq // lay.cp
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
-    if lay.recompute == "full":
-        return tok * h * shape.dtype.itemsize / lay.tp
     width = shape.ffn if not shape.experts else (shape.top_k + shape.shared_experts) * shape.expert_ffn
-    kept = 4 * h + (h + 2 * kv) + 2 * h + (3 if shape.gated else 2) * width
+    if lay.recompute == "full":
+        kept = h
+    elif lay.recompute == "selective":
+        kept = 2 * h + sum(out for i, (out, _) in enumerate(_matmuls(shape, width)) if i % 2 == 0)
+    else:
+        kept = 4 * h + (h + 2 * kv) + 2 * h + (3 if shape.gated else 2) * width
     return tok * kept * shape.dtype.itemsize / lay.tp
 
 
@@ -233,7 +254,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     shards = lay.dp * lay.cp
     inside = lay.gpus <= device.per_node
     data = 0.0
-    if lay.zero == 1:
+    if lay.zero == 1 or lay.pp > 1:           # FSDP under a pipeline gathers once a step (below)
         grads = c.collective(params * REDUCE_BYTES, shards, inside)
         gather = c.collective(params * item, shards, inside)
         data = (max(0.0, grads - 2 * micro / 3) + max(0.0, gather - micro / 3) if device.overlaps
@@ -242,16 +263,24 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     by_kind["data-parallel communication"] = data
     by_kind["optimizer"] = c.memory(params / shards * (GRAD_BYTES + 2 * MASTER_BYTES + item), 8)
     seconds = steps * micro + by_kind["pipeline sends"] + data + by_kind["optimizer"]
-    held = params / shards if lay.zero == 3 else params
+    # FSDP within a pipeline keeps the stage's weights gathered and its gradients whole from the first
+    # micro-batch to the last (torchtitan's reshard_after_forward=False): one gather a step, not one a
+    # micro-batch. Without a pipeline the weights of a block and the head are gathered at once (the
+    # backward's start: the head's, the last block's prefetched), and their gradients whole until
+    # their reduce-scatter.
+    held = params / shards if lay.zero == 3 and lay.pp == 1 else params
     state = held * (item + GRAD_BYTES) + params / shards * MASTER_BYTES
+    gathered = 0.0
+    if lay.zero == 3 and lay.pp == 1:
+        gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES)
     # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
     # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one)
     in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
     per_block = activations_per_block(shape, lay)
-    recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute == "full" else 0.0
+    recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute != "none" else 0.0
     logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * 2
-    first = state + stage_layers * per_block * in_flight + recomputed
-    last = state + stage_layers * per_block + recomputed + logits
+    first = state + gathered + stage_layers * per_block * in_flight + recomputed
+    last = state + gathered + stage_layers * per_block + recomputed + logits
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
@@ -259,7 +288,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     compute = sum(by_kind.get(k, 0.0) for k in ("matmul", "attention", "memory", "optimizer"))
     head_s = steps * head.busy()
     return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
-                      {"weights, gradients and optimizer state": int(state),
+                      {"weights, gradients and optimizer state": int(state), "gathered weights": int(gathered),
                        "activations": int(stage_layers * per_block * in_flight + recomputed), "logits": int(logits)},
                       tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
                       {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})

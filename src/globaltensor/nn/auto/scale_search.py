@@ -14,7 +14,7 @@ memory is kept:
   ``ceil(layers / pp)``), non-interleaved or interleaved over 2, 4 or 8 chunks a stage;
 - expert parallelism over the divisors of the experts that divide the data ranks (MoE shapes);
 - data parallelism over the rest, ZeRO-1 or FSDP; micro-batches of 1, 2, 4 or 8 sequences;
-  activations kept or fully recomputed.
+  activations kept, selectively recomputed (torchtitan's op-level policy) or fully recomputed.
 """
 from __future__ import annotations
 
