@@ -13,9 +13,10 @@ the state). The pipeline configuration cuts the GPT into one stage a process
 (``gt.nn.pipeline_stages``), run eagerly, and predicts it with ``gt.nn.predict_step``.
 
 - **Step time**: the median of rounds of steps, a round's time the slowest rank's.
-- **Peak memory** per rank in training: the bytes of the parameters' pieces this rank holds, plus
-  the highest point of the allocator's running balance over the first two steps (torch.profiler's
-  memory events: every allocation and free of the forwards, backwards and optimizer steps). The
+- **Peak memory** per rank in training: the bytes of the parameters' pieces this rank holds (and of
+  a ZeroOptimizer's shards of them, made with it), plus the highest point of the allocator's
+  running total over the first two steps (torch.profiler's memory records: every allocation and
+  free of the forwards, backwards and optimizer steps, on every thread, gloo's included). The
   first step makes the optimizer's state and the gradient buckets, which stay; the second holds its
   activations beside them, as every later step does. The most over the ranks.
 
@@ -89,29 +90,48 @@ def _loss_step(kind: str):
     return lambda model, ids, targets: model.loss(ids, targets)
 
 
-def _resident(model) -> int:
-    """Bytes of the storages of this rank's parameter pieces."""
+def _resident(model, optimizer) -> int:
+    """Bytes of the storages of this rank's parameter pieces, and of a ZeroOptimizer's shards of
+    them (copies it makes when built, before the measured steps)."""
     import globaltensor as gt
+    import globaltensor.nn as gnn
+    tensors = list(model.parameters())
+    if isinstance(optimizer, gnn.ZeroOptimizer):
+        tensors += [optimizer.shard_of(p) for p in model.parameters() if optimizer.shard_of(p) is not None]
     seen = {}
-    for t in model.parameters():
+    for t in tensors:
         storage = (t.to_local() if isinstance(t, gt.GlobalTensor) else t).untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
 def _allocator_peak(run) -> int:
-    """The highest point of the allocator's running balance while ``run()`` runs (torch.profiler)."""
+    """The most bytes the CPU allocator held, beyond what it held before, while ``run()`` runs.
+
+    torch.profiler's memory records carry the allocator's running total (``total_allocated``: one
+    count for the process, whichever thread allocates); its highest point, less the total before
+    the first record, is the peak. Summing the records' sizes instead (``self_cpu_memory_usage``)
+    loses the frees gloo's worker threads make outside any op -- its collectives' flat buffers --
+    and counts them as held to the end: 3-4 MiB a step more for FSDP's gathers, which would read
+    as memory the prediction missed."""
     import warnings
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             run()
-    now = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        now += e.self_cpu_memory_usage
-        peak = max(peak, now)
-    return peak
+    records, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            records.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+        nodes.extend(node.children)
+    if not records:
+        return 0
+    records.sort()
+    before = records[0][2] - records[0][1]
+    return max(total for _, _, total in records) - before
 
 
 def _worker(rank: int, world: int, cfg: Config, quick: bool):
@@ -149,7 +169,7 @@ def _worker(rank: int, world: int, cfg: Config, quick: bool):
     def one_step():
         opt.zero_grad(set_to_none=True)
         train()
-    measured_memory = int(H.slowest(float(_resident(model) + _allocator_peak(lambda: (one_step(), one_step())))))
+    measured_memory = int(H.slowest(float(_resident(model, opt) + _allocator_peak(lambda: (one_step(), one_step())))))
     timing = H.timed(one_step, warmup=2, repeats=3 if quick else 7, inner=2 if quick else 4)
     return {"name": cfg.name, "layout": layout, "nproc": world,
             "predicted_s": predicted.seconds, "measured_s": float(timing),

@@ -12,7 +12,9 @@ marked ``_sharded_grad`` with their shard's nd-SBP). The parameters' gradients b
 reduced ones -- the value and layout reading ``.grad`` would give (a split one is gathered when
 read, as before). As in DDP, a gradient that would take an all-reduce bucket past the limit
 starts the next one, and each gradient is copied into its bucket's flat buffer when it arrives,
-so the copies spread over the backward instead of delaying the collective.
+so the copies spread over the backward instead of delaying the collective. A buffer holds the
+limit, or what the watched parameters' gradients still to come in this backward can fill where
+that is less (a model's last bucket, or a small model's only one, is not a whole limit's worth).
 
 Two modes. *Eager* (``overlap=True``, what :func:`bucket_gradients` and ``distribute_module``
 install): a full bucket's collective is started and runs while the backward goes on (gloo /
@@ -67,6 +69,8 @@ class GradBuckets:
         self.started: list = []        # (started collectives, entries) of this backward
         self.handles: list = []
         self.watched: set = set()
+        self.watched_numel: dict = {}  # dtype -> elements of the watched parameters
+        self.arrived_numel: dict = {}  # dtype -> elements of those whose gradient this backward bucketed
         self.backward_id = None        # autograd's id of the backward running (a new one: a new end callback)
         self.flushed_once = False      # the first bucket of each backward is small (FIRST_BUCKET_BYTES)
         self.syncing = True
@@ -79,6 +83,7 @@ class GradBuckets:
                 or (not self.overlap and getattr(p, "_sharded_grad", False))):
             return
         self.watched.add(id(p))
+        self.watched_numel[p.dtype] = self.watched_numel.get(p.dtype, 0) + p.numel()
         self.handles.append(p.register_post_accumulate_grad_hook(self._ready))
         if self.overlap:
             self.handles.append(p.register_hook(functools.partial(self._arriving, weakref.ref(p))))
@@ -89,6 +94,7 @@ class GradBuckets:
             h.remove()
         self.handles.clear()
         self.watched.clear()
+        self.watched_numel.clear()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -130,13 +136,14 @@ class GradBuckets:
         nbytes = g.numel() * g.element_size()
         task = torch._C._current_graph_task_id()
         if task != self.backward_id:           # the first gradient of this backward
-            self.backward_id, self.flushed_once = task, False
+            self.backward_id, self.flushed_once, self.arrived_numel = task, False, {}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if kind == "all_reduce":
             if key in self.pending and (self.sizes[key] + nbytes > self._limit() or not self._fits(key, g)):
                 self.flushed_once = True       # it would overflow the bucket: that goes first
                 self._flush(key)
             self._fill(key, g)
+        self.arrived_numel[g.dtype] = self.arrived_numel.get(g.dtype, 0) + p.numel()
         self.pending.setdefault(key, []).append((p, g, want))
         self.sizes[key] = self.sizes.get(key, 0) + nbytes
         if self.sizes[key] >= self._limit():
@@ -161,9 +168,13 @@ class GradBuckets:
             placement, dtype, axes, _ = key
             if not _groups(placement, axes, get_world()):
                 return
+            # no more than the limit, nor than the gradients still to come can fill: the last bucket of
+            # a backward is as large as what is left of it, not a whole limit's worth of unused memory
+            still_to_come = self.watched_numel.get(dtype, 0) - self.arrived_numel.get(dtype, 0)
+            capacity = min(self._limit() // g.element_size(), still_to_come)
             filling = self.filling[key] = (
-                {r: self._buffer(max(self._limit() // g.element_size(), t.numel()), dtype, t.device)
-                 for r, t in g._pieces.items()}, dict.fromkeys(g._pieces, 0))
+                {r: self._buffer(max(capacity, t.numel()), dtype, t.device) for r, t in g._pieces.items()},
+                dict.fromkeys(g._pieces, 0))
         flats, used = filling
         for r, t in g._pieces.items():
             n = t.numel()
