@@ -208,18 +208,21 @@ def test_bucket_memory_is_filled_again_once_its_gradients_are_cleared(p1):
     assert _storages(m) == first
 
 
-def test_a_bucket_is_no_larger_than_the_gradients_still_to_come(p1):
+@pytest.mark.parametrize("layout", ["dp", "hybrid"])
+def test_a_bucket_is_no_larger_than_the_gradients_still_to_come(world4, layout):
     """A buffer holds the limit or what the gradients still to come in the backward can fill,
-    whichever is less: under the default 25 MB limit a small model's buffers add up to its
-    gradients' elements exactly, not to a whole limit's worth of memory no gradient fills."""
-    m = gnn.distribute_module(net().double(), p1, {})
-    x = gt.randn(8, 6, placement=p1, sbp=S(0), dtype=torch.float64)
+    whichever is less: under the default 25 MB limit a small model's buffers on a rank add up to
+    the elements of its gradients' pieces there exactly (Megatron's split weights: their pieces),
+    not to a whole limit's worth of memory no gradient fills."""
+    placement = gt.placement("cpu", [0, 1, 2, 3] if layout == "dp" else [[0, 1], [2, 3]])
+    m = gnn.distribute_module(net().double(), placement, {} if layout == "dp" else MEGATRON_2D)
+    x = gt.randn(8, 6, placement=placement, sbp=(S(0),) + (B,) * (placement.ndim - 1), dtype=torch.float64)
     m(x).square().mean().backward()
     buffers = {}
     for p in m.parameters():
         piece = p.grad.to_local(rank=0)
         buffers[piece.untyped_storage().data_ptr()] = piece.untyped_storage().nbytes()
-    assert sum(buffers.values()) == 8 * sum(p.numel() for p in m.parameters())
+    assert sum(buffers.values()) == 8 * sum(p.to_local(rank=0).numel() for p in m.parameters())
 
 
 def test_a_gradient_still_held_keeps_its_value_when_the_next_backward_buckets(p1):

@@ -69,8 +69,8 @@ class GradBuckets:
         self.started: list = []        # (started collectives, entries) of this backward
         self.handles: list = []
         self.watched: set = set()
-        self.watched_numel: dict = {}  # dtype -> elements of the watched parameters
-        self.arrived_numel: dict = {}  # dtype -> elements of those whose gradient this backward bucketed
+        self.watched_numel: dict = {}  # (dtype, rank) -> elements of the watched parameters' pieces
+        self.arrived_numel: dict = {}  # (dtype, rank) -> of those whose gradient this backward bucketed
         self.backward_id = None        # autograd's id of the backward running (a new one: a new end callback)
         self.flushed_once = False      # the first bucket of each backward is small (FIRST_BUCKET_BYTES)
         self.syncing = True
@@ -83,7 +83,7 @@ class GradBuckets:
                 or (not self.overlap and getattr(p, "_sharded_grad", False))):
             return
         self.watched.add(id(p))
-        self.watched_numel[p.dtype] = self.watched_numel.get(p.dtype, 0) + p.numel()
+        _count_pieces(self.watched_numel, p)
         self.handles.append(p.register_post_accumulate_grad_hook(self._ready))
         if self.overlap:
             self.handles.append(p.register_hook(functools.partial(self._arriving, weakref.ref(p))))
@@ -143,7 +143,7 @@ class GradBuckets:
                 self.flushed_once = True       # it would overflow the bucket: that goes first
                 self._flush(key)
             self._fill(key, g)
-        self.arrived_numel[g.dtype] = self.arrived_numel.get(g.dtype, 0) + p.numel()
+        _count_pieces(self.arrived_numel, p)
         self.pending.setdefault(key, []).append((p, g, want))
         self.sizes[key] = self.sizes.get(key, 0) + nbytes
         if self.sizes[key] >= self._limit():
@@ -170,16 +170,22 @@ class GradBuckets:
                 return
             # no more than the limit, nor than the gradients still to come can fill: the last bucket of
             # a backward is as large as what is left of it, not a whole limit's worth of unused memory
-            still_to_come = self.watched_numel.get(dtype, 0) - self.arrived_numel.get(dtype, 0)
-            capacity = min(self._limit() // g.element_size(), still_to_come)
+            limit = self._limit() // g.element_size()
             filling = self.filling[key] = (
-                {r: self._buffer(max(capacity, t.numel()), dtype, t.device) for r, t in g._pieces.items()},
+                {r: self._buffer(max(min(limit, self._still_to_come(dtype, r)), t.numel()), dtype, t.device)
+                 for r, t in g._pieces.items()},
                 dict.fromkeys(g._pieces, 0))
         flats, used = filling
         for r, t in g._pieces.items():
             n = t.numel()
             flats[r][used[r]:used[r] + n].view(t.shape).copy_(t)
             used[r] += n
+
+    def _still_to_come(self, dtype, rank: int) -> int:
+        """Elements of rank ``rank``'s pieces of the watched parameters of ``dtype`` whose gradient
+        this backward has not bucketed yet: a bound on what a bucket begun now can be filled with (a
+        gradient's piece is its parameter's, partial over the data axes)."""
+        return self.watched_numel.get((dtype, rank), 0) - self.arrived_numel.get((dtype, rank), 0)
 
     def _buffer(self, numel: int, dtype, device) -> torch.Tensor:
         """A flat buffer for a new bucket: one the last backward filled, of this size, once nothing
@@ -389,3 +395,9 @@ def no_sync(module: nn.Module) -> Iterator[None]:
         return
     with buckets.no_sync():
         yield
+
+
+def _count_pieces(counts: dict, p: GlobalTensor) -> None:
+    """Add the elements of each of ``p``'s pieces to ``counts[(dtype, rank)]``."""
+    for r, t in p._pieces.items():
+        counts[p.dtype, r] = counts.get((p.dtype, r), 0) + t.numel()
