@@ -97,7 +97,7 @@ def _resident(model, optimizer) -> int:
     import globaltensor.nn as gnn
     tensors = list(model.parameters())
     if isinstance(optimizer, gnn.ZeroOptimizer):
-        tensors += [optimizer.shard_of(p) for p in model.parameters() if optimizer.shard_of(p) is not None]
+        tensors += [s for s in map(optimizer.shard_of, model.parameters()) if s is not None]
     seen = {}
     for t in tensors:
         storage = (t.to_local() if isinstance(t, gt.GlobalTensor) else t).untyped_storage()

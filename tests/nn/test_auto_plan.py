@@ -143,9 +143,10 @@ def test_long_sequences_few_of_them_and_a_memory_limit_give_the_sequence_split_w
     buckets and the parameters' state are the same). Under a limit below data parallel's memory the
     sequence split is chosen -- balanced (head-tail), which sends what the
     plain one sends per collective (its busiest rank 16 bytes more in all: where the loss's scalar
-    all-reduce lands), holds less than data parallel (4 % more than the plain split, as a real step
-    of each holds too), and gives every rank the same causal attention work -- and it trains like
-    one device, sending what it modelled: the ring's blocks among it."""
+    all-reduce lands), holds less than data parallel (a little more than the plain split: 4 % at
+    its busiest rank, and a real step of each holds more too), and gives every rank the same causal
+    attention work -- and it trains like one device, sending what it modelled: the ring's blocks
+    among it."""
     model = _gpt(n_embd=32, n_layer=2, n_head=2, block_size=256)
     args = _batch(model.cfg, 2, 256)
     free = gnn.auto_plan(model, p1, args, step=gpt_step)
