@@ -24,6 +24,10 @@ LLAMA_70B = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_la
 LLAMA_405B = LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
                          num_key_value_heads=8, vocab_size=128256)
 
+#: Llama 3.1 8B's shape as TransformerShape.of reads it, at sequences of 8,192
+LLAMA_8B_SHAPE = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                                      seq=8192)
+
 
 def _meta(model_class, config):
     with torch.device("meta"):
@@ -114,7 +118,7 @@ def test_selective_recomputation_sits_between_keeping_and_recomputing_everything
     """torchtitan's op-level policy keeps every other matmul's output and attention's: less memory
     than keeping all and more than keeping the block's input alone; it recomputes half the
     projections' matmuls where full recomputation recomputes them all."""
-    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+    shape = LLAMA_8B_SHAPE
     device = gnn.DEVICES["H100"]
     runs = {r: predict_scale(shape, gnn.ScaleLayout(dp=8, micro_batch=2, recompute=r, zero=3), device, 16)
             for r in ("none", "selective", "full")}
@@ -129,7 +133,7 @@ def test_fsdp_within_a_pipeline_gathers_once_a_step():
     micro-batch to the last (torchtitan's reshard_after_forward=False), so its step costs and holds
     what ZeRO-1's does, whatever the micro-batches; without a pipeline it holds one block's gathered
     weights beside its shards and gathers them every micro-batch."""
-    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+    shape = LLAMA_8B_SHAPE
     device = gnn.DEVICES["H100"]
     for batch in (8, 64):
         fsdp = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, zero=3), device, batch)

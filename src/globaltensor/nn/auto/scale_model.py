@@ -73,6 +73,14 @@ class ScaleLayout:
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def gathers_per_use(self) -> bool:
+        """Whether the weights stay sharded between uses, gathered for each block's forward and
+        backward: FSDP outside a pipeline. Within one (torchtitan's reshard_after_forward=False) a
+        stage's weights are gathered once a step and kept, and its gradients whole to the last
+        micro-batch, as with ZeRO-1."""
+        return self.zero == 3 and self.pp == 1
+
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
 
@@ -169,7 +177,7 @@ def _block(shape: TransformerShape, lay: ScaleLayout, device: Device, moe: bool)
     if moe and lay.ep > 1:
         experts = c.collective(tok * shape.top_k * h * item, lay.ep, t * lay.cp * lay.ep <= device.per_node, 4)
     fsdp = 0.0
-    if lay.zero == 3 and lay.pp == 1:
+    if lay.gathers_per_use:
         data = lay.dp * lay.cp
         fsdp = c.collective(shape.layer_params(moe) / t * item, data, t * data <= device.per_node, 3)
     compute = matmul + attention + memory
@@ -254,7 +262,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     shards = lay.dp * lay.cp
     inside = lay.gpus <= device.per_node
     data = 0.0
-    if lay.zero == 1 or lay.pp > 1:           # FSDP under a pipeline gathers once a step (below)
+    if not lay.gathers_per_use:               # one reduce-scatter and one all-gather a step
         grads = c.collective(params * REDUCE_BYTES, shards, inside)
         gather = c.collective(params * item, shards, inside)
         data = (max(0.0, grads - 2 * micro / 3) + max(0.0, gather - micro / 3) if device.overlaps
@@ -263,16 +271,12 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     by_kind["data-parallel communication"] = data
     by_kind["optimizer"] = c.memory(params / shards * (GRAD_BYTES + 2 * MASTER_BYTES + item), 8)
     seconds = steps * micro + by_kind["pipeline sends"] + data + by_kind["optimizer"]
-    # FSDP within a pipeline keeps the stage's weights gathered and its gradients whole from the first
-    # micro-batch to the last (torchtitan's reshard_after_forward=False): one gather a step, not one a
-    # micro-batch. Without a pipeline the weights of a block and the head are gathered at once (the
-    # backward's start: the head's, the last block's prefetched), and their gradients whole until
-    # their reduce-scatter.
-    held = params / shards if lay.zero == 3 and lay.pp == 1 else params
+    # Gathered per use, the weights of a block and the head are gathered at once (the backward's
+    # start: the head's, the last block's prefetched), and their gradients whole until their
+    # reduce-scatter.
+    held = params / shards if lay.gathers_per_use else params
     state = held * (item + GRAD_BYTES) + params / shards * MASTER_BYTES
-    gathered = 0.0
-    if lay.zero == 3 and lay.pp == 1:
-        gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES)
+    gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES) if lay.gathers_per_use else 0.0
     # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
     # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one)
     in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
