@@ -7,8 +7,9 @@ A causal 2-layer GPT (examples/gpt.py: 2 heads, n_embd 64) on one sequence of T 
 split on the sequence and the model replicated, where attention runs as ring attention (2 heads on
 4 ranks): split plainly (``S(1)``) and balanced (``S(1, order="head_tail")``: rank r holds chunks r
 and 7 - r of 8). Each process measures the peak of the bytes it allocated during the step
-(``torch.profiler``'s memory events, their running sum; the parameters exist before and are not
-counted, the gradients are, on both sides), after one warm-up step. Goals (#31): the busiest rank's
+(the allocator's running total in ``torch.profiler``'s memory records, every thread's counted:
+_allocator.py; the parameters exist before and are not counted, the gradients are, on both
+sides), after one warm-up step. Goals (#31): the busiest rank's
 peak at most 0.35x one device's; per-rank causal attention work (query-key scores, counted from the
 ring's blocks as its kernel runs them: ``attention_work``) within 5% of each other under the
 balanced split.
@@ -23,6 +24,7 @@ import argparse
 import sys
 
 import _harness as H
+from _allocator import allocator_peaks
 
 GOAL = 0.35
 EXAMPLES = __import__("os").path.join(H._SRC, "..", "examples")
@@ -38,20 +40,6 @@ def _model(seq: int):
     return GPT(cfg), torch.randint(0, 64, (1, seq), generator=g), torch.randint(0, 64, (1, seq), generator=g)
 
 
-def peak_bytes(fn) -> int:
-    """The most bytes ``fn`` had allocated at once (the running sum of the profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
-
-
 def _one_device(rank: int, world: int, seq: int) -> int:
     model, idx, targets = _model(seq)
 
@@ -59,7 +47,7 @@ def _one_device(rank: int, world: int, seq: int) -> int:
         model.loss(idx, targets).backward()
         model.zero_grad(set_to_none=True)
     step()
-    return peak_bytes(step)
+    return allocator_peaks(step, 1)[0]
 
 
 def _split(rank: int, world: int, seq: int, order: str) -> dict:
@@ -77,7 +65,7 @@ def _split(rank: int, world: int, seq: int, order: str) -> dict:
         model.zero_grad(set_to_none=True)
     step()
     with gt.comm_stats() as stats:
-        peak = peak_bytes(step)
+        peak = allocator_peaks(step, 1)[0]
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     return dict(peaks=peaks, ops=sorted(set(stats.ops())))

@@ -15,10 +15,11 @@ the state). The pipeline configuration cuts the GPT into one stage a process
 - **Step time**: the median of rounds of steps, a round's time the slowest rank's.
 - **Peak memory** per rank in training: the bytes of the parameters' pieces this rank holds (and of
   a ZeroOptimizer's shards of them, made with it), plus the highest point of the allocator's
-  running total over the first two steps (torch.profiler's memory records: every allocation and
-  free of the forwards, backwards and optimizer steps, on every thread, gloo's included). The
-  first step makes the optimizer's state and the gradient buckets, which stay; the second holds its
-  activations beside them, as every later step does. The most over the ranks.
+  running total, over the total before the first step, in the steps after the first
+  (torch.profiler's memory records: every allocation and free of the forwards, backwards and
+  optimizer steps, with every thread's counted in the total, gloo's included). The first step
+  makes the optimizer's state and the gradient buckets, which stay; each later one holds its
+  activations beside them, and reaches the same peak. The most over the ranks.
 
 The ratio columns are predicted / measured. Models: examples/gpt.py's GPT and transformers'
 LlamaForCausalLM and MixtralForCausalLM (small configs, their own code; Mixtral's routing is
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import _harness as H
+from _allocator import allocator_peaks
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ CONFIGS = [
 ]
 
 EMBD, LAYERS, HEADS, VOCAB, BATCH, SEQ = 128, 2, 4, 256, 8, 64
+MEMORY_STEPS = 4          # the first makes the optimizer's state and the buckets; the rest are measured
 
 
 def _model(kind: str):
@@ -105,35 +108,6 @@ def _resident(model, optimizer) -> int:
     return sum(seen.values())
 
 
-def _allocator_peak(run) -> int:
-    """The most bytes the CPU allocator held, beyond what it held before, while ``run()`` runs.
-
-    torch.profiler's memory records carry the allocator's running total (``total_allocated``: one
-    count for the process, whichever thread allocates); its highest point, less the total before
-    the first record, is the peak. Summing the records' sizes instead (``self_cpu_memory_usage``)
-    loses the frees gloo's worker threads make outside any op -- its collectives' flat buffers --
-    and counts them as held to the end: 3-4 MiB a step more for FSDP's gathers, which would read
-    as memory the prediction missed."""
-    import warnings
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run()
-    records, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while nodes:
-        node = nodes.pop()
-        if node.tag == _EventType.Allocation:
-            records.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
-        nodes.extend(node.children)
-    if not records:
-        return 0
-    records.sort()
-    before = records[0][2] - records[0][1]
-    return max(total for _, _, total in records) - before
-
-
 def _worker(rank: int, world: int, cfg: Config, quick: bool):
     import torch
     import globaltensor as gt
@@ -169,7 +143,9 @@ def _worker(rank: int, world: int, cfg: Config, quick: bool):
     def one_step():
         opt.zero_grad(set_to_none=True)
         train()
-    measured_memory = int(H.slowest(float(_resident(model, opt) + _allocator_peak(lambda: (one_step(), one_step())))))
+    peaks = allocator_peaks(one_step, MEMORY_STEPS)
+    resident = _resident(model, opt)
+    measured_memory = int(H.slowest(float(resident + max(peaks[1:]))))
     timing = H.timed(one_step, warmup=2, repeats=3 if quick else 7, inner=2 if quick else 4)
     return {"name": cfg.name, "layout": layout, "nproc": world,
             "predicted_s": predicted.seconds, "measured_s": float(timing),

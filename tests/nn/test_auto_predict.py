@@ -181,3 +181,35 @@ def test_pipeline_stages_add_up(p1):
     first = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith(("blocks.1", "ln_f", "lm_head")))
     assert pr.memory_parts["parameters"] == max(first, sum(p.numel() * 4 for p in model.parameters()) - first)
     assert pr.seconds > pr.compute + pr.communication + pr.host
+
+
+def test_a_view_of_a_held_storage_is_not_the_steps_memory():
+    """A storage held across steps (a weight, a gradient bucket) counts once, in ``kept`` if it is
+    counted at all, never in the step's peak, however many views of it the step makes."""
+    from globaltensor.nn.auto.cost import LiveBytes
+    live = LiveBytes()
+    weight, bucket = torch.empty(64, 32), torch.empty(128)
+    live.held(0, weight, counted=False)
+    live.held(0, bucket)
+    live.held(0, bucket[:64])
+    transposed, out = weight.t(), torch.empty(16, 32)
+    live.made(0, transposed)
+    live.made(0, bucket[64:])
+    live.made(0, out)
+    assert (live.peak[0], live.kept[0]) == (16 * 32 * 4, 128 * 4)
+
+
+def test_a_linear_layers_step_holds_its_output_and_gradient_beside_the_held_state(p1):
+    """A bias-free linear layer, data parallel on 4 ranks, one SGD step: each rank holds the weight,
+    the momentum and the gradient bucket from step to step (one weight's bytes each), and the step
+    makes its output (2 rows a rank) and the weight's gradient before it is copied into the bucket,
+    plus the loss and its gradient (scalars). The transpose of the weight the forward makes is a
+    view of the weight, not memory of its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128, bias=False)
+    plan = gnn.auto_plan(model, p1, (torch.randn(8, 256),), step=lambda m, x: m(x).sum().backward(),
+                         optimizer=torch.optim.SGD)
+    parts = _option(plan, ("data",)).cost.memory_parts
+    weight, output, scalars = 128 * 256 * 4, 2 * 128 * 4, 2 * 4
+    assert parts == {"parameters": weight, "optimizer state": weight, "gradient buckets": weight,
+                     "gradients": 0, "activations": weight + output + scalars}

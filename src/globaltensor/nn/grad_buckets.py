@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import weakref
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -76,6 +76,7 @@ class GradBuckets:
         self.syncing = True
         self.made: list = []           # the flat buffers this backward fills
         self.spare: dict = {}          # (numel, dtype, device) -> the last backward's, to fill again when free
+        self.on_new_buffer: Optional[Callable[[int, torch.Tensor], None]] = None   # told (rank, buffer) of each
 
     def watch(self, p) -> None:
         """Bucket ``p``'s gradient from now on, if it is a global leaf that gets one."""
@@ -172,7 +173,7 @@ class GradBuckets:
             # a backward is as large as what is left of it, not a whole limit's worth of unused memory
             limit = self._limit() // g.element_size()
             filling = self.filling[key] = (
-                {r: self._buffer(max(min(limit, self._still_to_come(dtype, r)), t.numel()), dtype, t.device)
+                {r: self._buffer(r, max(min(limit, self._still_to_come(dtype, r)), t.numel()), dtype, t.device)
                  for r, t in g._pieces.items()},
                 dict.fromkeys(g._pieces, 0))
         flats, used = filling
@@ -187,14 +188,20 @@ class GradBuckets:
         gradient's piece is its parameter's, partial over the data axes)."""
         return self.watched_numel.get((dtype, rank), 0) - self.arrived_numel.get((dtype, rank), 0)
 
-    def _buffer(self, numel: int, dtype, device) -> torch.Tensor:
-        """A flat buffer for a new bucket: one the last backward filled, of this size, once nothing
-        holds it any more (its gradients were cleared or replaced), else a new one. DDP keeps its
-        buckets for the same reason: memory the allocator hands out afresh costs a page fault per
-        page when first written, and the copies into a bucket would pay them every step."""
+    def _buffer(self, rank: int, numel: int, dtype, device) -> torch.Tensor:
+        """A flat buffer for a new bucket of ``rank``: one the last backward filled, of this size, once
+        nothing holds it any more (its gradients were cleared or replaced), else a new one. DDP keeps
+        its buckets for the same reason: memory the allocator hands out afresh costs a page fault per
+        page when first written, and the copies into a bucket would pay them every step. A new one
+        is told to ``on_new_buffer`` (auto_plan's memory counts them as held from step to step)."""
         spare = self.spare.get((numel, dtype, device), [])
         free = next((i for i, b in enumerate(spare) if alone_on_storage(b)), None)
-        buf = torch.empty(numel, dtype=dtype, device=device) if free is None else spare.pop(free)
+        if free is not None:
+            buf = spare.pop(free)
+        else:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if self.on_new_buffer is not None:
+                self.on_new_buffer(rank, buf)
         self.made.append(buf)
         return buf
 

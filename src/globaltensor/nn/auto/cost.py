@@ -6,11 +6,13 @@ placement's size; the step runs (forward and backward: every rule, signature and
 real run, data-parallel gradients reduced in buckets as ``distribute_module`` sets them up), then the
 optimizer's reads -- each gradient boxed to its parameter's layout, or with ZeRO reduce-scattered to
 the shard and the updated shards all-gathered. ``gt.comm_profile`` records every collective with
-its module and phase. Memory per rank is the parameters and optimizer state of the layouts, plus
-the peak of what the step makes alive: the storages of every tensor each rank's ops and
-collectives make -- global tensors' pieces, a kernel's temporaries, gradient buckets -- each
-storage once, from when it is made to when nothing holds it (activations, and gradients as they
-appear); the parts give the gradients' bytes and the rest of that peak as activations. Every
+its module and phase. Memory per rank is the parameters and optimizer state of the layouts and the
+gradient buckets' flat buffers (a real run keeps them from one backward to the next), plus the
+peak of what the step makes alive: the storages of every tensor each rank's ops and collectives
+make -- global tensors' pieces, a kernel's temporaries, a collective's results -- each storage
+once, from when it is made to when nothing holds it (activations, and gradients outside the
+buckets as they appear; a view of a parameter, an input or a bucket is none of them); the parts
+give those gradients' bytes and the rest of that peak as activations. Every
 kernel each rank runs is tallied with its flops or bytes (compute.py), and the optimizer's update
 as memory-bound kernels over the pieces it steps; the step's modelled time is its prediction
 (predict.py) on the planning device -- this machine as ``gt.calibrate()`` measured it, or a named
@@ -254,21 +256,37 @@ def _remade(v):
 class LiveBytes:
     """The bytes per rank of the storages of the tensors alive, and their peak: a storage counts once
     however many tensors -- views, aliases, detached twins -- sit on it. :meth:`created` takes a
-    global tensor's pieces; :meth:`made` one rank's tensor (a meta run's temporaries and buffers)."""
+    global tensor's pieces; :meth:`made` one rank's tensor (a meta run's temporaries and buffers).
+
+    Storages held from one step to the next are :meth:`held`: counted apart (``kept``, per rank),
+    never as the step's, so that a view of one -- a weight's transpose before its matmul, a gradient
+    in its bucket -- is not counted as memory the step made."""
 
     def __init__(self):
         self.now: Dict[int, int] = defaultdict(int)
         self.peak: Dict[int, int] = defaultdict(int)
+        self.kept: Dict[int, int] = defaultdict(int)
         self._holders: Dict[tuple, int] = {}      # (rank, storage) -> tensors alive on it
         self._sizes: Dict[tuple, int] = {}
+        self._held: Dict[tuple, torch.Tensor] = {}   # kept alive: a freed storage's key could be reused
 
     def created(self, t: GlobalTensor) -> None:
         for r, piece in t._pieces.items():
             self.made(r, piece)
 
+    def held(self, rank: int, t: torch.Tensor, counted: bool = True) -> None:
+        """``t``'s storage is held across steps; its bytes go into ``kept`` if ``counted`` (not: the
+        caller's -- parameters, counted by their layouts, and inputs, there before the step)."""
+        key = (rank, t.untyped_storage()._cdata)
+        if key not in self._held:
+            self._held[key] = t
+            self.kept[rank] += t.untyped_storage().nbytes() if counted else 0
+
     def made(self, rank: int, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = (rank, storage._cdata)
+        if key in self._held:
+            return
         if key not in self._holders:
             self._holders[key], self._sizes[key] = 0, storage.nbytes()
             self.now[rank] += self._sizes[key]
@@ -349,10 +367,14 @@ def evaluate_layouts(model: nn.Module, world_size: int, layouts: Dict[str, tuple
             tag_pieces(g)
         live, tally = LiveBytes(), ComputeTally()
         world.live = live
+        for g in [*metas.values(), *inputs]:          # the caller's, held before and after the step
+            for r, piece in g._pieces.items():
+                live.held(r, piece, counted=False)
         if zero_axis is not None:              # as ZeroOptimizer marks them: buckets reduce-scatter to the shards
             for g in param_layouts.values():
                 g._sharded_grad = shard_sbp(g, zero_axis)
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
+        buckets.on_new_buffer = live.held            # a real run's buckets stay for the next backward
         try:
             with swapped(model, metas), comm_profile(model) as prof, observing_creation(live.created, tag_pieces), \
                     MemoizedMeta(reads, tally, world, prof.tracker.current), _experts(model, experts):
@@ -373,9 +395,11 @@ def evaluate_layouts(model: nn.Module, world_size: int, layouts: Dict[str, tuple
     # ZeroOptimizer keeps, beside the state, each parameter's shard and the shard's gradient (held from
     # one step to the next zero_grad): two more shard-sized tensors
     held = state_factor if zero_axis is None else state_factor + 2
-    resident = {"parameters": _per_rank_bytes(weights), "optimizer state": _per_rank_bytes(states, held)}
+    resident = {"parameters": _per_rank_bytes(weights), "optimizer state": _per_rank_bytes(states, held),
+                "gradient buckets": dict(live.kept)}
     by_rank = {r: sum(part.get(r, 0) for part in resident.values()) + live.peak.get(r, 0) for r in ranks}
-    gradients = _per_rank_bytes(grads)
+    # the gradients in buckets are in "gradient buckets"; the rest appear during the step
+    gradients = {r: max(n - live.kept.get(r, 0), 0) for r, n in _per_rank_bytes(grads).items()}
     parts = {**resident, "gradients": gradients,
              "activations": {r: max(live.peak.get(r, 0) - gradients.get(r, 0), 0) for r in ranks}}
     cost = Cost(prof.bytes_sent, prof.count, 0.0, max(by_rank.values()),
