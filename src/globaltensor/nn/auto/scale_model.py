@@ -47,6 +47,10 @@ MEMORY_PASSES = (8, 3)           # reads and writes of (the hidden state, the ML
 GRAD_BYTES = 4                   # float32 gradients kept
 REDUCE_BYTES = 2                 # reduced in bf16 (Megatron-core's default: grad_reduce_in_fp32 off)
 MASTER_BYTES = 12                # float32 master weights and Adam's two moments, per parameter
+# float32 logits-sized tensors torch's eager cross entropy holds at its peak, the logits cast to float
+# (torchtitan's loss): log_softmax's output, saved for the backward, the gradient nll_loss's backward
+# makes of it, and log_softmax's backward's result (tests/nn/test_plan_at_scale.py measures it)
+LOSS_LOGITS_COPIES = 3
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -282,7 +286,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
     per_block = activations_per_block(shape, lay)
     recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute != "none" else 0.0
-    logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * 2
+    logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * LOSS_LOGITS_COPIES
     first = state + gathered + stage_layers * per_block * in_flight + recomputed
     last = state + gathered + stage_layers * per_block + recomputed + logits
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
