@@ -2,7 +2,8 @@
 
 Each figure is the median of ``repeats`` timings after one untimed call, each timing the mean of
 enough calls to last longer than a scheduler's time slice -- a step's typical cost, not its best --
-and every rank times at once, so that the ranks share the machine's cores as they do in training:
+and the ranks start each timing together, so that they share the machine's cores as they do in
+training (where ranks outnumber cores, a kernel takes its share of the waits):
 
 - matmuls of two sizes per float dtype: ``α + flops / rate``;
 - causal attention's forward and backward (``F.scaled_dot_product_attention``) at two lengths:
@@ -49,8 +50,19 @@ def calls_to_fill(run: Callable) -> int:
     return max(1, int(WINDOW_S / max(time.perf_counter() - start, 1e-7)))
 
 
+def together() -> None:
+    """Wait until every rank of a process world is here: the timing that follows runs on every rank
+    at once. Timed apart, a rank that finished its timings early leaves the cores to the others,
+    and 4 ranks on 2 cores measured kernels up to twice as fast as a step runs them, and
+    differently each calibration."""
+    world = get_world()
+    if not world.simulated:
+        world.all_reduce(tuple(range(world.size)), {world.rank: torch.zeros(1)})
+
+
 def per_call(run: Callable, calls: int) -> float:
-    """The mean seconds of ``calls`` calls of ``run``."""
+    """The mean seconds of ``calls`` calls of ``run``, begun on every rank at once."""
+    together()
     start = time.perf_counter()
     for _ in range(calls):
         run()
