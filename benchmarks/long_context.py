@@ -9,10 +9,9 @@ split on the sequence and the model replicated, where attention runs as ring att
 and 7 - r of 8). Each process measures the peak of the bytes it allocated during the step
 (the allocator's running total in ``torch.profiler``'s memory records, every thread's counted:
 _allocator.py; the parameters exist before and are not counted, the gradients are, on both
-sides), after one warm-up step. Goals (#31): the busiest rank's
-peak at most 0.35x one device's; per-rank causal attention work (query-key scores, counted from the
-ring's blocks as its kernel runs them: ``attention_work``) within 5% of each other under the
-balanced split.
+sides), after one warm-up step. Goals (#31): the busiest rank's peak at most 0.35x one device's;
+per-rank causal attention work (query-key scores, counted from the ring's blocks as its kernel
+runs them: ``attention_work``) within 5% of each other under the balanced split.
 
 The peers: DTensor's ``context_parallel`` rotates k and v for the CUDA sdpa kernels only (flash,
 efficient, cudnn), so it has no CPU row here; a hand-written ring over raw torch.distributed is
