@@ -49,7 +49,8 @@ REDUCE_BYTES = 2                 # reduced in bf16 (Megatron-core's default: gra
 MASTER_BYTES = 12                # float32 master weights and Adam's two moments, per parameter
 # float32 logits-sized tensors torch's eager cross entropy holds at its peak, the logits cast to float
 # (torchtitan's loss): log_softmax's output, saved for the backward, the gradient nll_loss's backward
-# makes of it, and log_softmax's backward's result (tests/nn/test_plan_at_scale.py measures it)
+# makes of it, and log_softmax's backward's result (tests/nn/test_plan_at_scale.py measures it); per
+# rank the same for this library's vocabulary-split loss (tests/ops/test_loss.py)
 LOSS_LOGITS_COPIES = 3
 RECOMPUTE = ("none", "selective", "full")
 

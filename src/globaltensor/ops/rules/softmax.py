@@ -84,6 +84,21 @@ def _row_max(layout: Layout, dim: int, axes, dtype, pieces: dict) -> dict:
     return {r: g.amax(dim, keepdim=True) for r, g in gathered._pieces.items()}
 
 
+#: the row blocks the exponentials of a split softmax are summed in
+EXP_BLOCKS = 8
+
+
+def _sum_exp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.exp().sum(dim, keepdim=True)`` a block of rows at a time, so that the exponentials of
+    only one block exist at once -- a loss's logits are the largest tensor of a step. Each row is
+    summed whole, as in one call."""
+    rows = next((d for d in range(x.dim()) if d != dim and x.shape[d] > 1), None)
+    if rows is None:
+        return x.exp().sum(dim, keepdim=True)
+    block = -(-x.shape[rows] // EXP_BLOCKS)
+    return torch.cat([b.exp().sum(dim, keepdim=True) for b in x.split(block, rows)], rows)
+
+
 def split_softmax_kernel(func, args, kwargs, ins, outs, calls):
     """``_softmax`` / ``_log_softmax`` on each held rank; exact when ``dim`` is split."""
     layout = ins[0]
@@ -95,12 +110,13 @@ def split_softmax_kernel(func, args, kwargs, ins, outs, calls):
     xs = {r: bind(func, a, kw)["self"].to(comp) for r, (a, kw) in calls.items()}
     top = _row_max(layout, dim, axes, comp, xs)
     shifted = {r: x - top[r] for r, x in xs.items()}
-    exps = {r: s.exp() for r, s in shifted.items()}
-    total = _row_total(layout, dim, axes, comp, {r: e.sum(dim, keepdim=True) for r, e in exps.items()})
+    total = _row_total(layout, dim, axes, comp, {r: _sum_exp(s, dim) for r, s in shifted.items()})
+    # the output is written over the shifted logits: beside the input, one logits-sized tensor, as
+    # torch's own kernel holds (its whole-vocabulary loss peaks at 3 float32 logits, so does this)
     if func.overloadpacket is aten._log_softmax:
-        out = {r: shifted[r] - total[r].log() for r in xs}
+        out = {r: shifted[r].sub_(total[r].log()) for r in xs}
     else:
-        out = {r: exps[r] / total[r] for r in xs}
+        out = {r: shifted[r].exp_().div_(total[r]) for r in xs}
     return {r: o.to(outs[0].dtype) for r, o in out.items()}
 
 
@@ -120,10 +136,10 @@ def split_softmax_backward_kernel(func, args, kwargs, ins, outs, calls):
         gs[r], ys[r] = n["grad_output"].to(comp), n["output"].to(comp)
     sums = {r: (gs[r] if log else gs[r] * ys[r]).sum(dim, keepdim=True) for r in gs}
     total = _row_total(layout, dim, axes, comp, sums)
-    if log:
-        out = {r: gs[r] - ys[r].exp() * total[r] for r in gs}
+    if log:      # g - exp(y) * sum(g), in the one new tensor exp(y)
+        out = {r: ys[r].exp().mul_(total[r]).neg_().add_(gs[r]) for r in gs}
     else:
-        out = {r: ys[r] * (gs[r] - total[r]) for r in gs}
+        out = {r: (gs[r] - total[r]).mul_(ys[r]) for r in gs}
     return {r: o.to(outs[0].dtype) for r, o in out.items()}
 
 
