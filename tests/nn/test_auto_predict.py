@@ -201,15 +201,34 @@ def test_a_view_of_a_held_storage_is_not_the_steps_memory():
 
 def test_a_linear_layers_step_holds_its_output_and_gradient_beside_the_held_state(p1):
     """A bias-free linear layer, data parallel on 4 ranks, one SGD step: each rank holds the weight,
-    the momentum and the gradient bucket from step to step (one weight's bytes each), and the step
-    makes its output (2 rows a rank) and the weight's gradient before it is copied into the bucket,
-    plus the loss and its gradient (scalars). The transpose of the weight the forward makes is a
+    the momentum and the gradient bucket from step to step (one weight's bytes each). At the step's
+    peak, in the matmul's backward, it holds the weight's gradient before it is copied into the
+    bucket, the contiguous transpose of the output's gradient (2 rows a rank) that backward makes,
+    and the loss and its gradient (scalars). The transpose of the weight the forward makes is a
     view of the weight, not memory of its own."""
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 128, bias=False)
     plan = gnn.auto_plan(model, p1, (torch.randn(8, 256),), step=lambda m, x: m(x).sum().backward(),
                          optimizer=torch.optim.SGD)
     parts = _option(plan, ("data",)).cost.memory_parts
-    weight, output, scalars = 128 * 256 * 4, 2 * 128 * 4, 2 * 4
+    weight, output_grad, scalars = 128 * 256 * 4, 2 * 128 * 4, 2 * 4
     assert parts == {"parameters": weight, "optimizer state": weight, "gradient buckets": weight,
-                     "gradients": 0, "activations": weight + output + scalars}
+                     "gradients": 0, "activations": weight + output_grad + scalars}
+
+
+def test_a_linear_layers_zero_step_holds_the_reduce_scatters_buffers_to_the_backwards_end(p1):
+    """The same layer with ZeRO: between steps each rank holds the weight, its quarter of the
+    momentum and its shard of the weight (the shard's gradient, made by the reduce-scatter, lives
+    from the backward's end to zero_grad: not across steps). At the peak, in the backward, it holds
+    the weight's partial gradient, the bucket's flat copy of it handed to the reduce-scatter -- held
+    until the backward ends, as the started collective holds it -- and the reduce-scatter's whole
+    sum, whose shard is the new gradient (a gloo process receives the whole bucket too), beside
+    the scalars."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 128, bias=False)
+    plan = gnn.auto_plan(model, p1, (torch.randn(8, 256),), step=lambda m, x: m(x).sum().backward(),
+                         optimizer=torch.optim.SGD)
+    parts = _option(plan, ("data",), zero=True).cost.memory_parts
+    weight, scalars = 128 * 256 * 4, 2 * 4
+    assert parts == {"parameters": weight, "optimizer state": 2 * weight // 4, "gradient buckets": 0,
+                     "gradients": weight, "activations": 2 * weight + scalars}

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from ...comm import World
+from ...comm.world import Started
 from ...comm.simulated import SimulatedWorld
 from ...ops.schema.op_record import record
 from ...tensor import GlobalTensor
@@ -219,4 +220,12 @@ class TallyingWorld(SimulatedWorld):
         return out
 
     _all_reduce_async = World._all_reduce_async
-    _reduce_scatter_async = World._reduce_scatter_async
+
+    def _reduce_scatter_async(self, group, pieces, sizes):
+        """Run at once, its flat inputs -- a ZeRO bucket's gradients, copied out -- counted as
+        each rank's and held until the result is waited for, as a process world's started
+        collective holds them (to the backward's end)."""
+        for r, t in pieces.items():
+            self._received(r, t)
+        out = self._reduce_scatter(group, pieces, 0, sizes)
+        return Started(lambda: (pieces, out)[1])

@@ -392,9 +392,10 @@ def evaluate_layouts(model: nn.Module, world_size: int, layouts: Dict[str, tuple
     _optimizer_update(tally, states, state_factor)
     ranks = sorted({r for placement, _ in layouts.values() for r in placement.rank_list()} |
                    {r for _, _, placement, _ in args for r in placement.rank_list()})
-    # ZeroOptimizer keeps, beside the state, each parameter's shard and the shard's gradient (held from
-    # one step to the next zero_grad): two more shard-sized tensors
-    held = state_factor if zero_axis is None else state_factor + 2
+    # ZeroOptimizer keeps, beside the state, each parameter's shard: one more shard-sized tensor (the
+    # shard's gradient, the reduce-scatter's result, lives from the backward's end to zero_grad and is
+    # counted as the step makes it)
+    held = state_factor if zero_axis is None else state_factor + 1
     resident = {"parameters": _per_rank_bytes(weights), "optimizer state": _per_rank_bytes(states, held),
                 "gradient buckets": dict(live.kept)}
     by_rank = {r: sum(part.get(r, 0) for part in resident.values()) + live.peak.get(r, 0) for r in ranks}
