@@ -234,6 +234,19 @@ def test_calibration_is_measured_and_used(world4, monkeypatch):
     assert machine.link("all_reduce", (0, 1, 2, 3)).bandwidth == cal.links["all_reduce"].bandwidth
 
 
+def test_a_collectives_line_without_a_slope_goes_through_its_larger_point_at_the_memory_bandwidth():
+    """Two timings of a collective fit ``latency + bytes / bandwidth``; where the larger payload
+    took hardly longer than the smaller (jitter), the slope's bandwidth is past anything the host's
+    memory moves, and the line goes through the larger timing at the memory bandwidth instead."""
+    from globaltensor.nn.auto.calibration import fitted_link
+    small, large, ceiling = 16 * 1024, 4 * 2 ** 20, 5e9
+    measured = fitted_link(small, 1e-3 + small / 1e9, large, 1e-3 + large / 1e9, ceiling)
+    assert measured.latency == pytest.approx(1e-3) and measured.bandwidth == pytest.approx(1e9)
+    flat = fitted_link(small, 2.0e-3, large, 2.0001e-3, ceiling)           # 4 MiB in 0.1 µs more
+    assert flat.bandwidth == ceiling and flat.seconds(large) == pytest.approx(2.0001e-3)
+    assert flat.latency == pytest.approx(2.0001e-3 - large / ceiling)
+
+
 @pytest.mark.parametrize("bad,kw,match", [
     ("model", {}, "expected an nn.Module"),
     ("args", {}, "expected a tuple of tensors or shapes"),
