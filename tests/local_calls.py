@@ -16,8 +16,12 @@ class LocalCalls(TorchDispatchMode):
         if any(issubclass(t, GlobalTensor) for t in types):
             with self:                          # the pieces' ops that the global op issues come back here
                 return GlobalTensor.__torch_dispatch__(func, types, args, kwargs or {})
+        return self.local(func, args, kwargs or {})
+
+    def local(self, func, args, kwargs):
+        """One op on plain pieces: recorded, then run."""
         self.calls.append(func)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
     def count(self, name: str) -> int:
         """How many local calls of the op packet ``name`` (``"_foreach_add_"``) ran."""

@@ -3,11 +3,10 @@ and loss parallelism: class-split logits whose [N, C] values never move."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import globaltensor as gt
 from harness import candidate_signatures, check_candidates, check_layouts
+from storage_peaks import torchtitan_loss_peak
 
 aten = torch.ops.aten
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
@@ -316,42 +315,6 @@ def test_cross_entropy_on_sequence_split_logits_moves_no_logits(layout, reductio
         assert len(moved) == len(prof.events), prof.table()
 
 
-class _Storages(TorchDispatchMode):
-    """Follows every plain tensor the ops within make, global ops' pieces included (a global op is
-    dispatched with this mode still on, so that its piece ops come back here), into ``live``."""
-
-    def __init__(self, live):
-        super().__init__()
-        self.live = live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, gt.GlobalTensor) for t in types):
-            with self:
-                return gt.GlobalTensor.__torch_dispatch__(func, types, args, kwargs or {})
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not isinstance(t, gt.GlobalTensor) and not t.is_meta:
-                self.live.made(0, t)          # not a global one (no storage) nor a shape's meta tensor
-        return out
-
-
-def _loss_peak(x, w, labels, before_backward=False) -> int:
-    """The most bytes alive at once in torchtitan's loss -- bfloat16 logits ``x @ w.T`` cast to
-    float, cross entropy, the logits let go, backward -- the inputs not counted."""
-    from globaltensor.nn.auto.cost import LiveBytes
-    live = LiveBytes()
-    for t in (x, w, labels):
-        for piece in (t.local_tensors().values() if isinstance(t, gt.GlobalTensor) else (t,)):
-            live.held(0, piece, counted=False)
-    with _Storages(live):
-        logits = x @ w.t()
-        loss = F.cross_entropy(logits.float(), labels)
-        del logits
-        if not before_backward:
-            loss.backward()
-    return live.peak[0]
-
-
 def test_a_class_split_loss_holds_what_torchs_whole_vocabulary_loss_holds():
     """Per rank, the vocabulary-split loss holds at its peak what torch's own loss over the whole
     vocabulary holds on one device, in units of that rank's float32 logits (3 of them; DTensor's
@@ -367,13 +330,13 @@ def test_a_class_split_loss_holds_what_torchs_whole_vocabulary_loss_holds():
     w = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,))
     one = tokens * vocab * 4
-    assert _loss_peak(x, w, labels) == pytest.approx(LOSS_LOGITS_COPIES * one, rel=0.01)
+    assert torchtitan_loss_peak(x, w, labels) == pytest.approx(LOSS_LOGITS_COPIES * one, rel=0.01)
     with gt.simulate(ranks):
         p = gt.placement("cpu", list(range(ranks)))
         gx = gt.distribute(x.detach(), p, B).requires_grad_()
         gw = gt.distribute(w.detach(), p, S(0)).requires_grad_()
         g_labels = gt.distribute(labels, p, B)
         local = one / ranks                 # every simulated rank's pieces are alive in this one process
-        step, forward = _loss_peak(gx, gw, g_labels), _loss_peak(gx, gw, g_labels, before_backward=True)
+        step, forward = torchtitan_loss_peak(gx, gw, g_labels), torchtitan_loss_peak(gx, gw, g_labels, before_backward=True)
     assert step / ranks <= LOSS_LOGITS_COPIES * local * 1.01
     assert forward / ranks <= (0.5 + 1 + 1 + 1 / EXP_BLOCKS) * local * 1.01
