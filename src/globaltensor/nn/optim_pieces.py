@@ -16,6 +16,11 @@ foreach and fused kernels group them as they group a plain model's -- and with e
 step passed it. ``state_dict()`` keeps the global tensors, whose pieces were updated in place, so DCP,
 LR schedulers, hooks, ``add_param_group``, GradScaler and clipping work as before.
 
+What a step costs above plain torch's is kept to a few passes in C over its lists: the lists the
+optimizer's loop makes are reused while nothing they are made of changed (nn/optim_groups.py), and so
+is the call's shape -- its order, placeholders, which arguments are which (nn/pieces_shape.py); each
+step reads its tensors anew.
+
 Per element: a global gradient in another layout than its parameter's (``grad_sbp=``) is boxed to it
 first (a partial one reduced); a 0-dim plain state (a step count, NAdam's ``mu_product``, ASGD's
 ``eta`` and ``mu``) is the same on every rank and changes with the step only, so each extra held rank
@@ -49,9 +54,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import operator
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -61,6 +65,8 @@ from ..compat.dynamo import inlined_wrapper
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, write_into
 from . import mapped_call
+from .optim_groups import reused_lists
+from .pieces_shape import CallShape, Shapes, dim_of, layout_of, order_of, pieces_of
 
 #: the torch.optim modules whose functional update (the module's own name) is elementwise
 ELEMENTWISE = ("sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop")
@@ -83,7 +89,8 @@ _stepping = _Stepping()
 
 
 def install_optimizer_pieces() -> None:
-    """Wrap the functional update of every :data:`ELEMENTWISE` and :data:`WHOLE` optimizer (once per process)."""
+    """Wrap the functional update of every :data:`ELEMENTWISE` and :data:`WHOLE` optimizer, and its
+    class's loop that makes the update's lists (nn/optim_groups.py), once per process."""
     for module_name, name, whole in [(n, n, False) for n in ELEMENTWISE] + [(m, f, True) for m, f in WHOLE.items()]:
         try:
             module = importlib.import_module(f"torch.optim.{module_name}")
@@ -92,6 +99,9 @@ def install_optimizer_pieces() -> None:
         fn = getattr(module, name, None)
         if callable(fn) and not hasattr(fn, "on_globals"):
             setattr(module, name, _stepping_pieces(fn, whole))
+        for cls in vars(module).values():
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and "_init_group" in vars(cls):
+                reused_lists(cls)
     if not _stepping.hooked:
         register_optimizer_step_pre_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", opt))
         register_optimizer_step_post_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", None))
@@ -188,37 +198,19 @@ class PiecesCall:
     the update writes -- every list's tensors but the gradients (those too for a fused update, which
     unscales them)."""
 
-    def __init__(self, fn: Callable, bound: dict, lists: List[str], plain: set, order: list, columns: dict,
-                 holes: Optional[dict] = None):
-        params = bound["params"]
-        self.fn, self.lists, self.plain, self.order = fn, lists, plain, order
-        self.holes = holes or {}                  # list -> the elements it holds None for (Adafactor's states)
-        self.name = type(_stepping.optimizer).__name__ if _stepping.optimizer is not None else fn.__name__
-        self.first_param = params[0]
-        self.n = len(params)
-        self.tensor_args = [k for k, v in bound.items() if k not in columns and isinstance(v, torch.Tensor)]
-        self.settings = {k: v for k, v in bound.items() if k not in columns and k not in self.tensor_args}
+    def __init__(self, shape: CallShape, bound: dict, columns: dict):
+        self.shape, self.fn = shape, shape.fn
+        self.name = type(_stepping.optimizer).__name__ if _stepping.optimizer is not None else shape.fn.__name__
+        self.first_param = bound["params"][0]
+        self.settings = {k: bound[k] for k in shape.setting_names}
         self.live: dict = {}                      # setting name -> (group, key, index or None)
-        self.placeholders = [(j, params[i].dtype, params[i].device) for j, (i, r) in enumerate(order) if r is None]
-        self.counts = {k: len(columns[k]) for k in lists if k not in plain}     # pieces per global list
-        # a plain list's state at each position of the order: its own (at the element's first held
-        # position) or a copy, made at the call; with one position per element, the list as given
-        self.copies = self.plain_order = None
-        if len(order) != self.n:
-            seen: set = set()
-            self.copies = []
-            for i, _ in order:
-                self.copies.append(i in seen)
-                seen.add(i)
-            self.plain_order = [i for i, _ in order]
         self.inputs, self.written = [], []
-        grads, fused = lists[1], bool(bound.get("fused"))
-        for k in lists:
+        for k in shape.lists:
             values = columns[k]
             self.inputs.extend(values)
-            if k != grads or fused:
+            if k != shape.grads or shape.fused:
                 self.written.extend(values)
-        self.inputs.extend(bound[k] for k in self.tensor_args)
+        self.inputs.extend(bound[k] for k in shape.tensor_args)
 
     @staticmethod
     def of(fn: Callable, names: list, bound: dict, whole: bool = False) -> Optional["PiecesCall"]:
@@ -227,12 +219,16 @@ class PiecesCall:
         params = bound.get(names[0])
         if not params or type(params[0]) is not GlobalTensor:
             return None
-        if whole and not all(type(p) is GlobalTensor and _whole(p) for p in params):
-            return None
         capture = mapped_call._capture
         if capture is not None and not capture.optimizer_tasks:
             return None                     # recorded op by op, to be replayed inside CUDA graphs
         if bound.get("differentiable") or bound.get("has_sparse_grad") or names[0] != "params":
+            return None
+        key = _shapes.key(fn, whole, params)
+        shape = _shapes.get(key)
+        if shape is not None and shape.fits(bound):
+            return PiecesCall(shape, bound, shape.columns(bound))
+        if whole and not all(type(p) is GlobalTensor and _whole(p) for p in params):
             return None
         n, grads = len(params), names[1]
         lists = [k for k in names if type(bound.get(k)) is list and bound[k]]
@@ -242,7 +238,7 @@ class PiecesCall:
             return None
         if set(map(type, params)) != _GLOBAL:
             return None
-        layouts = list(map(_LAYOUT, params))
+        layouts = list(map(layout_of, params))
         given, plain, holes = {"params": params}, set(), {}
         for k in lists[1:]:
             values = bound[k]
@@ -258,38 +254,40 @@ class PiecesCall:
                 values = _in_layouts(values, params, layouts, box_them=k == grads and not bound.get("fused"))
                 if values is None:
                     return None
-            elif kinds == _PLAIN and k != grads and set(map(_DIM, values)) == {0}:
+            elif kinds == _PLAIN and k != grads and set(map(dim_of, values)) == {0}:
                 plain.add(k)
             else:
                 return None             # None (a lazy state), a plain tensor beside global ones, sparse
             given[k] = values
-        order, ranks = _order(params, layouts)
+        order, ranks = order_of(params, layouts)
         columns = {k: list(given[k]) if k in plain else
                    [given[k][i]._pieces[r] for i, r in order if r is not None and given[k][i] is not None]
-                   if k in holes else _pieces(given[k], order, ranks) for k in lists}
-        return PiecesCall(fn, bound, lists, plain, order, columns, holes)
+                   if k in holes else pieces_of(given[k], order, ranks) for k in lists}
+        shape = CallShape(fn, bound, lists, plain, holes, order, ranks, layouts, columns)
+        _shapes.keep(key, shape)
+        return PiecesCall(shape, bound, columns)
 
     def rebuild(self, tensors) -> dict:
         """The original's arguments from the flat tensors: each list over the order (placeholders and
         copies made now), the other tensor arguments, the settings (a live one as its group holds it now)."""
-        call, at = {}, 0
-        for k in self.lists:
-            if k in self.plain:
-                own = list(tensors[at:at + self.n])
-                at += self.n
-                if self.plain_order is not None:
-                    own = [own[i].clone() if copy else own[i] for i, copy in zip(self.plain_order, self.copies)]
+        shape, call, at = self.shape, {}, 0
+        for k in shape.lists:
+            if k in shape.plain:
+                own = list(tensors[at:at + shape.n])
+                at += shape.n
+                if shape.plain_order is not None:
+                    own = [own[i].clone() if copy else own[i] for i, copy in zip(shape.plain_order, shape.copies)]
                 call[k] = own
                 continue
-            pieces = list(tensors[at:at + self.counts[k]])
-            at += self.counts[k]
-            if k in self.holes:
-                call[k] = self._with_holes(pieces, self.holes[k])
+            pieces = list(tensors[at:at + shape.counts[k]])
+            at += shape.counts[k]
+            if k in shape.holes:
+                call[k] = self._with_holes(pieces, shape.holes[k])
                 continue
-            for j, dtype, device in self.placeholders:
+            for j, dtype, device in shape.placeholders:
                 pieces.insert(j, torch.empty(0, dtype=dtype, device=device))
             call[k] = pieces
-        for k in self.tensor_args:
+        for k in shape.tensor_args:
             call[k] = tensors[at]
             at += 1
         call.update(self.settings)
@@ -300,10 +298,10 @@ class PiecesCall:
     def _with_holes(self, pieces: list, holes: frozenset) -> list:
         """A list over the order from its pieces: None for its elements without a state, a placeholder
         where no rank of the element is held here."""
-        empty = {j: (dtype, device) for j, dtype, device in self.placeholders}
+        empty = {j: (dtype, device) for j, dtype, device in self.shape.placeholders}
         given = iter(pieces)
         out = []
-        for j, (i, r) in enumerate(self.order):
+        for j, (i, r) in enumerate(self.shape.order):
             if i in holes:
                 out.append(None)
             elif r is None:
@@ -323,7 +321,7 @@ class PiecesCall:
     @property
     def rank(self) -> Optional[int]:
         """The rank whose stream runs it in a graph: the first this process holds of any parameter."""
-        return next((r for _, r in self.order if r is not None), None)
+        return next((r for _, r in self.shape.order if r is not None), None)
 
     def run(self) -> None:
         """Eagerly: the call now. In a capture: one task of the graph, its settings read at each replay."""
@@ -344,10 +342,10 @@ _GLOBAL_OR_NONE = {GlobalTensor, type(None)}
 def _whole(t: GlobalTensor) -> bool:
     """Every rank of ``t``'s placement holds all of it."""
     return all(v.is_broadcast for v in t._layout.nd_sbp)
+
+
 _PLAIN = {torch.Tensor}
-_LAYOUT = operator.attrgetter("_layout")
-_PIECES = operator.attrgetter("_pieces")
-_DIM = operator.methodcaller("dim")
+_shapes = Shapes()
 
 
 def _in_layouts(values: list, params: list, layouts: list, box_them: bool) -> Optional[list]:
@@ -355,7 +353,7 @@ def _in_layouts(values: list, params: list, layouts: list, box_them: bool) -> Op
     layout takes the parameter's interned object (and so does the parameter: later steps compare by
     identity); another one, where ``box_them`` (the gradients), is boxed to it (a partial gradient
     reduced); else None."""
-    if list(map(_LAYOUT, values)) == layouts:       # identities first: one pass in C
+    if list(map(layout_of, values)) == layouts:       # identities first: one pass in C
         return values
     out = list(values)
     for i, (v, p) in enumerate(zip(values, params)):
@@ -368,30 +366,6 @@ def _in_layouts(values: list, params: list, layouts: list, box_them: bool) -> Op
         else:
             return None
     return out
-
-
-def _order(params: list, layouts: list) -> tuple:
-    """``[(element, rank)]``: each parameter at each rank this process holds of it (see PiecesCall); and
-    where every parameter shares one placement, the ranks (outermost in the order), else None."""
-    if len(set(map(id, map(_PLACEMENT, layouts)))) == 1:
-        ranks = list(params[0]._pieces) or [None]
-        return [(i, r) for r in ranks for i in range(len(params))], ranks
-    return [(i, r) for i, p in enumerate(params) for r in (list(p._pieces) or [None])], None
-
-
-def _pieces(values: list, order: list, ranks: Optional[list]) -> list:
-    """The pieces of a global list over the order (placeholders left out): with ``ranks`` outermost,
-    one pass in C per rank."""
-    if ranks is None:
-        return [values[i]._pieces[r] for i, r in order if r is not None]
-    out = []
-    for r in ranks:
-        if r is not None:
-            out.extend(map(operator.itemgetter(r), map(_PIECES, values)))
-    return out
-
-
-_PLACEMENT = operator.attrgetter("placement")
 
 
 def _live_settings(settings: dict, first_param) -> tuple:
