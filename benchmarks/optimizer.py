@@ -13,8 +13,8 @@ list op into ``__torch_dispatch__``, the floor of a step through a subclass), wi
 with ``fused=True``. ``--embd 32`` makes the tensors small enough that the step is its per-op costs, as
 a GPU's launch-bound step is. The gradients are set once; the steps only update. The script counts the
 global ops one globaltensor step dispatches (0: the update runs on the pieces) and checks that each
-side's parameters match plain torch's after the same steps. Then, in one process, the foreach step on 1
-and 4 simulated ranks beside plain torch's over as many copies of the parameters (``_worker_sim``).
+side's parameters match plain torch's after the same steps. Then, in one process, the foreach and fused
+steps on 1 and 4 simulated ranks beside plain torch's over as many copies of the parameters (``_worker_sim``).
 Goal (#47): globaltensor's step <= 1.1x plain torch's.
 """
 from __future__ import annotations
@@ -104,9 +104,9 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
 
 
 def _worker_sim(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, ranks=(1, 4)):
-    """One process, ``gt.simulate(n)`` for each ``n`` of ``ranks``: AdamW(foreach=True) over the GPT's
-    parameters broadcast on the n simulated ranks, beside plain torch's AdamW(foreach=True) over n
-    copies of the parameters -- the same tensors to update (each simulated rank holds a replica)."""
+    """One process, ``gt.simulate(n)`` for each ``n`` of ``ranks``: AdamW (foreach, then fused) over the
+    GPT's parameters broadcast on the n simulated ranks, beside plain torch's AdamW over n copies of the
+    parameters -- the same tensors to update (each simulated rank holds a replica)."""
     import torch
     import globaltensor as gt
 
@@ -115,28 +115,29 @@ def _worker_sim(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, ranks=
     grads = [torch.randn(v.shape, generator=g) for v in values]
     out = {}
     for n in ranks:
-        with gt.simulate(n):
-            placement = gt.placement("cpu", list(range(n)))
-            plain = [v.clone().requires_grad_() for _ in range(n) for v in values]
-            for p, gr in zip(plain, grads * n):
-                p.grad = gr.clone()
-            ours = [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values]
-            for p, gr in zip(ours, grads):
-                p.grad = gt.distribute(gr, placement, gt.sbp.broadcast)
-            opts = {"plain": torch.optim.AdamW(plain, lr=1e-4, foreach=True),
-                    "gt": torch.optim.AdamW(ours, lr=1e-4, foreach=True)}
-            times = H.timed_many({k: o.step for k, o in opts.items()}, warmup=3, repeats=5 if quick else 15,
-                                 inner=2 if quick else 5, sync=False)
-            with torch.no_grad():
-                diff = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(ours, plain[:len(values)]))
-            out[n] = dict(times=times, diff=diff)
+        for mode in ("foreach", "fused"):
+            with gt.simulate(n):
+                placement = gt.placement("cpu", list(range(n)))
+                plain = [v.clone().requires_grad_() for _ in range(n) for v in values]
+                for p, gr in zip(plain, grads * n):
+                    p.grad = gr.clone()
+                ours = [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values]
+                for p, gr in zip(ours, grads):
+                    p.grad = gt.distribute(gr, placement, gt.sbp.broadcast)
+                opts = {"plain": torch.optim.AdamW(plain, lr=1e-4, **{mode: True}),
+                        "gt": torch.optim.AdamW(ours, lr=1e-4, **{mode: True})}
+                times = H.timed_many({k: o.step for k, o in opts.items()}, warmup=3, repeats=5 if quick else 15,
+                                     inner=2 if quick else 5, sync=False)
+                with torch.no_grad():
+                    diff = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(ours, plain[:len(values)]))
+                out[n, mode] = dict(times=times, diff=diff)
     return out
 
 
 def report_sim(res) -> None:
-    rows = [[f"AdamW foreach, {n} simulated rank{'s' if n > 1 else ''}", H.fmt(r["times"]["plain"]),
+    rows = [[f"AdamW {mode}, {n} simulated rank{'s' if n > 1 else ''}", H.fmt(r["times"]["plain"]),
              H.fmt(r["times"]["gt"]), f"{H.paired_ratio(r['times']['gt'], r['times']['plain']):.3f}x",
-             f"{r['diff']:.1e}"] for n, r in res.items()]
+             f"{r['diff']:.1e}"] for (n, mode), r in res.items()]
     print(H.table(["step", "plain ms", "gt ms", "gt / plain", "largest difference"], rows,
                   "## AdamW step in a simulated world (plain torch over as many parameter copies as ranks)"))
 

@@ -70,7 +70,7 @@ JOBS = {
     "models": ("HF Llama / GPT-2 and a BatchNorm CNN, bytes per step, 4 simulated ranks", models.measure),
     "optim": ("AdamW step over the GPT's parameters, foreach and fused, 2 processes",
               lambda q: H.spawn(optimizer._worker, 2, q)),
-    "optim_sim": ("AdamW foreach step on 1 and 4 simulated ranks, 1 process",
+    "optim_sim": ("AdamW foreach and fused steps on 1 and 4 simulated ranks, 1 process",
                   lambda q: H.spawn(optimizer._worker_sim, 0, q)),
     "scale": ("GPT step eager and gt.compile on 4, 16, 64 simulated ranks, 1 process",
               lambda q: H.spawn(scale._worker, 0, q, timeout=3600)),
@@ -220,10 +220,10 @@ def gpu_rows(res) -> list:
 
 
 def optimizer_sim_rows(res) -> list:
-    """The foreach AdamW step on simulated ranks beside plain torch's over as many parameter copies."""
-    return [row(f"AdamW foreach step, GPT parameters ({n} simulated rank{'s' if n > 1 else ''}) vs plain torch",
+    """The foreach and fused AdamW steps on simulated ranks beside plain torch's over as many parameter copies."""
+    return [row(f"AdamW {mode} step, GPT parameters ({n} simulated rank{'s' if n > 1 else ''}) vs plain torch",
                 f"{H.fmt(r['times']['gt'])} ms", f"plain {H.fmt(r['times']['plain'])} ms",
-                H.paired_ratio(r["times"]["gt"], r["times"]["plain"]), 1.1) for n, r in res.items()]
+                H.paired_ratio(r["times"]["gt"], r["times"]["plain"]), 1.1) for (n, mode), r in res.items()]
 
 
 def torch_compile_rows(part: str, res) -> list:
