@@ -136,6 +136,9 @@ class GlobalTensor(torch.Tensor):
     _boxed = None   # the ops layer's kept boxed copy (ops/kept_boxed_copy.py); a class default reads fast
     _view_of = None     # a copy-view's recipe (ops/writes/copy_views.py), likewise
     __torch_function__ = torch._C._disabled_torch_function_impl
+    # by identity, as torch.Tensor's, but in C: a tensor's is a Python function, and an optimizer looks
+    # up every parameter's state by the parameter at every step
+    __hash__ = object.__hash__
 
     @staticmethod
     def __new__(cls, layout: Layout, pieces: dict, requires_grad: bool = False, device=None):

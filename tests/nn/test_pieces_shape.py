@@ -31,12 +31,18 @@ def _adam_arguments(opt) -> dict:
     return bound
 
 
-@pytest.fixture
-def adam(world4):
-    placement = gt.placement("cpu", [[0, 1], [2, 3]])
+#: where the process holds 4 ranks of each parameter (a 2 x 2 placement), and one (its pieces in one pass)
+PLACEMENTS = {"4 held": ([[0, 1], [2, 3]], [(S(0), B), (B, S(0)), (S(1), S(0))]),
+              "1 held": ([0], [(B,), (S(0),), (S(1),)])}
+
+
+@pytest.fixture(params=PLACEMENTS)
+def adam(world4, request):
+    ranks, sbps = PLACEMENTS[request.param]
+    placement = gt.placement("cpu", ranks)
     g = torch.Generator().manual_seed(0)
     params = [gt.distribute(torch.randn(s, generator=g), placement, sbp).requires_grad_()
-              for s, sbp in [((8, 6), (S(0), B)), ((7,), (B, S(0))), ((6, 8), (S(1), S(0)))]]
+              for s, sbp in zip([(8, 6), (7,), (6, 8)], sbps)]
     for p in params:
         p.grad = gt.distribute(torch.randn(p.shape, generator=g), p.placement, p.sbp)
     opt = torch.optim.Adam(params, lr=0.1, foreach=True)
@@ -46,6 +52,9 @@ def adam(world4):
 
 def test_a_later_call_takes_the_shape_with_its_own_tensors(adam):
     first = PiecesCall.of(ADAM, NAMES, _adam_arguments(adam))
+    params = adam.param_groups[0]["params"]
+    want = [p.local_tensors()[r] for r in params[0].local_tensors() for p in params]     # ranks outermost
+    assert len(first.inputs) > len(want) and all(a is b for a, b in zip(first.inputs, want))
     for p in adam.param_groups[0]["params"]:
         p.grad = p.grad.clone()
     bound = _adam_arguments(adam)
@@ -61,9 +70,14 @@ def test_a_later_call_takes_the_shape_with_its_own_tensors(adam):
     assert any(t is grads[0].local_tensors()[0] for t in again.inputs)
 
 
+def _another_layout(t):
+    """``t`` broadcast on every axis, or where it is, split on its first dimension there."""
+    whole = (B,) * t.placement.ndim
+    return t.to_global(sbp=whole if tuple(t.sbp) != whole else (S(0),) + whole[1:])
+
+
 def _state_in_another_layout(bound):
-    avg = bound["exp_avgs"][0]
-    bound["exp_avgs"][0] = avg.to_global(sbp=(B, B))
+    bound["exp_avgs"][0] = _another_layout(bound["exp_avgs"][0])
 
 
 def _plain_state_tensor(bound):
@@ -71,8 +85,7 @@ def _plain_state_tensor(bound):
 
 
 def _gradient_in_another_layout(bound):
-    g = bound["grads"][0]
-    bound["grads"][0] = g.to_global(sbp=(B, B))
+    bound["grads"][0] = _another_layout(bound["grads"][0])
 
 
 def _fewer_parameters(bound):
