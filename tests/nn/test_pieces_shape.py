@@ -31,7 +31,7 @@ def _adam_arguments(opt) -> dict:
     return bound
 
 
-#: where the process holds 4 ranks of each parameter (a 2 x 2 placement), and one (its pieces in one pass)
+#: where the process holds 4 ranks of each parameter (a 2 x 2 placement), and one (as each process of a job does)
 PLACEMENTS = {"4 held": ([[0, 1], [2, 3]], [(S(0), B), (B, S(0)), (S(1), S(0))]),
               "1 held": ([0], [(B,), (S(0),), (S(1),)])}
 
