@@ -20,6 +20,7 @@ Goal (#47): globaltensor's step <= 1.1x plain torch's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import _harness as H
@@ -85,7 +86,7 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
                 else gr.clone()
     result = {"params": len(values), "numel": sum(v.numel() for v in values), "times": {}, "calls": {}}
     for mode in ("foreach", "fused"):
-        kw = {"foreach": True} if mode == "foreach" else {"fused": True}
+        kw = {mode: True}
         opts = {name: torch.optim.AdamW(ps, lr=1e-4, **kw) for name, ps in sides.items()}
         steps = {name: _through_dispatcher(o.step) if name == "gt dispatcher" else o.step for name, o in opts.items()}
         times = H.timed_many({f"{name} {mode}": step for name, step in steps.items()},
@@ -114,23 +115,22 @@ def _worker_sim(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, ranks=
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(v.shape, generator=g) for v in values]
     out = {}
-    for n in ranks:
-        for mode in ("foreach", "fused"):
-            with gt.simulate(n):
-                placement = gt.placement("cpu", list(range(n)))
-                plain = [v.clone().requires_grad_() for _ in range(n) for v in values]
-                for p, gr in zip(plain, grads * n):
-                    p.grad = gr.clone()
-                ours = [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values]
-                for p, gr in zip(ours, grads):
-                    p.grad = gt.distribute(gr, placement, gt.sbp.broadcast)
-                opts = {"plain": torch.optim.AdamW(plain, lr=1e-4, **{mode: True}),
-                        "gt": torch.optim.AdamW(ours, lr=1e-4, **{mode: True})}
-                times = H.timed_many({k: o.step for k, o in opts.items()}, warmup=3, repeats=5 if quick else 15,
-                                     inner=2 if quick else 5, sync=False)
-                with torch.no_grad():
-                    diff = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(ours, plain[:len(values)]))
-                out[n, mode] = dict(times=times, diff=diff)
+    for n, mode in itertools.product(ranks, ("foreach", "fused")):
+        with gt.simulate(n):
+            placement = gt.placement("cpu", list(range(n)))
+            plain = [v.clone().requires_grad_() for _ in range(n) for v in values]
+            for p, gr in zip(plain, grads * n):
+                p.grad = gr.clone()
+            ours = [gt.distribute(v.clone(), placement, gt.sbp.broadcast).requires_grad_() for v in values]
+            for p, gr in zip(ours, grads):
+                p.grad = gt.distribute(gr, placement, gt.sbp.broadcast)
+            opts = {"plain": torch.optim.AdamW(plain, lr=1e-4, **{mode: True}),
+                    "gt": torch.optim.AdamW(ours, lr=1e-4, **{mode: True})}
+            times = H.timed_many({k: o.step for k, o in opts.items()}, warmup=3, repeats=5 if quick else 15,
+                                 inner=2 if quick else 5, sync=False)
+            with torch.no_grad():
+                diff = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(ours, plain[:len(values)]))
+            out[n, mode] = dict(times=times, diff=diff)
     return out
 
 

@@ -55,7 +55,7 @@ def test_a_later_call_takes_the_shape_with_its_own_tensors(adam):
     params = adam.param_groups[0]["params"]
     want = [p.local_tensors()[r] for r in params[0].local_tensors() for p in params]     # ranks outermost
     assert len(first.inputs) > len(want) and all(a is b for a, b in zip(first.inputs, want))
-    for p in adam.param_groups[0]["params"]:
+    for p in params:
         p.grad = p.grad.clone()
     bound = _adam_arguments(adam)
     again = PiecesCall.of(ADAM, NAMES, bound)
@@ -66,8 +66,7 @@ def test_a_later_call_takes_the_shape_with_its_own_tensors(adam):
     assert made.shape is not first.shape
     assert all(a is b for a, b in zip(fresh.inputs, made.inputs)) and len(fresh.inputs) == len(made.inputs)
     assert all(a is b for a, b in zip(fresh.written, made.written)) and len(fresh.written) == len(made.written)
-    grads = [p.grad for p in adam.param_groups[0]["params"]]
-    assert any(t is grads[0].local_tensors()[0] for t in again.inputs)
+    assert any(t is params[0].grad.local_tensors()[0] for t in again.inputs)
 
 
 def _another_layout(t):
