@@ -1,19 +1,23 @@
-"""Pipeline schedules side by side: GPipe, 1F1B, interleaved 1F1B and zero bubble, on gloo processes
-(one stage each) and on simulated stages, at p = 2 and 4 stages and m = 8 and 16 micro-batches.
+"""Pipeline schedules side by side: GPipe, 1F1B, interleaved 1F1B, zero bubble (ZB-H1) and zbv (ZB-V), on
+gloo processes (one stage each) and on simulated stages, at p = 2 and 4 stages and m = 8 and 16
+micro-batches.
 
     .venv/bin/python benchmarks/pipeline_schedules.py [--quick] [--procs 2,4] [--simulated]
 
 The model: a chain of ``LAYERS`` blocks (Linear D->4D, GELU, Linear 4D->D, residual) and a linear
-head, its blocks cut into stages by ``gt.nn.pipeline_stages`` (interleaved: 2 chunks per stage),
-trained with SGD on a mean-squared loss; every schedule's losses must equal GPipe's. Per schedule:
+head, its blocks cut into stages by ``gt.nn.pipeline_stages`` (interleaved: 2 chunks per stage in
+turn; zbv: 2 per stage down the stages and back up, the head on the first), trained with SGD on a
+mean-squared loss; every schedule's losses must equal GPipe's. Per schedule:
 
 - step: the median time of a compiled step (after the warm-up and the capture);
 - bubble: from the timeline of one step, each rank's idle fraction of its compute stream over the
-  step's span (first task to last, over every rank), averaged over the ranks; beside it the ideal,
-  ``(p - 1) / (m + p - 1)`` -- over ``v`` for interleaved;
+  step's span (first task to last, over every rank), averaged over the ranks; beside it the ideal:
+  the schedule's own bubble at unit durations (``schedules.bubble``: ``(p - 1) / (m + p - 1)`` for
+  GPipe and 1F1B, about that over ``v`` interleaved, less for the zero-bubble schedules);
 - activations: per stage, the most bytes its micro-batches' forward tasks held at once
   (``measure_memory=True``, the arguments aside), as a fraction of GPipe's; 1F1B's bound is
-  ``(p - s) / m`` of GPipe's plus one micro-batch.
+  ``(p - s) / m`` of GPipe's plus one micro-batch, zbv's ``p / m`` on every stage plus one (of GPipe's
+  on zbv's cut).
 
 Processes run one rank each on this machine's cores (p = 4 on 2 cores shares them: times and
 bubbles there measure the machine as much as the schedule); simulated stages run every rank's
@@ -29,7 +33,9 @@ import time
 import _harness as H
 
 D, LAYERS, ROWS = 256, 8, 32           # width, blocks, rows per micro-batch
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+#: pipeline_stages' cut per schedule: 2 chunks a stage in turn, or in a V
+CUTS = {"interleaved_1f1b": dict(chunks_per_stage=2), "zbv": dict(chunks_per_stage=2, v_shape=True)}
 
 
 def _model():
@@ -81,13 +87,15 @@ def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool) -> dict:
     stages = [gt.placement("cpu", [r]) for r in range(p)]
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * ROWS, D, generator=gen), torch.randn(m * ROWS, D, generator=gen)
-    gx, gy = gt.distribute(x, stages[0], B), gt.distribute(y, stages[-1], B)
+    gx = gt.distribute(x, stages[0], B)
     out = {}
-    for kind in ("timed", "traced", "measured"):
+    # zbv's memory is held against GPipe's on zbv's own cut (GPipe's last stage on the usual cut takes
+    # each backward as soon as its forward is done, so it holds fewer than m there)
+    kinds = ("timed", "traced", "measured") + (("baseline",) if schedule == "zbv" else ())
+    for kind in kinds:
         model = _model()
-        v = 2 if schedule == "interleaved_1f1b" else 1
-        gt.nn.pipeline_stages(model, stages, chunks_per_stage=v)
-        gy = gt.distribute(y, stages[(p * v - 1) % p], B)
+        gt.nn.pipeline_stages(model, stages, **CUTS.get(schedule, {}))
+        gy = gt.distribute(y, model.head.weight.placement, B)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step(a, b):
@@ -96,8 +104,9 @@ def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool) -> dict:
             opt.step()
             opt.zero_grad()
             return loss.detach()
-        g = gt.compile(step, micro_batches=m, schedule=schedule, timeline=kind == "traced",
-                       measure_memory=kind == "measured", streams="rank" if simulated else None)
+        g = gt.compile(step, micro_batches=m, schedule="gpipe" if kind == "baseline" else schedule,
+                       timeline=kind == "traced", measure_memory=kind in ("measured", "baseline"),
+                       streams="rank" if simulated else None)
         losses = [g(gx, gy).full_tensor().item() for _ in range(3)]
         if kind == "timed":
             out["losses"] = losses
@@ -111,6 +120,9 @@ def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool) -> dict:
             out["step"] = statistics.median(times)
         elif kind == "traced":
             out["bubble"] = _bubble(g._graph().runtime.timeline, list(range(p)) if simulated else [gt.rank()])
+        elif kind == "baseline":
+            out["gpipe activations"] = g.peak_activation_bytes_by_rank
+            continue
         else:
             out["activations"] = g.peak_activation_bytes_by_rank
         out["plan"] = g.plan.pipeline or schedule
@@ -135,6 +147,8 @@ def _worker(rank: int, world: int, quick: bool) -> dict:
             "losses": every[0]["losses"], "step": max(e["step"] for e in every),
             "bubble": statistics.mean(e["bubble"] for e in every),
             "activations": {r: e["activations"].get(r, 0) for r, e in enumerate(every)}, "plan": every[0]["plan"]}
+        if "gpipe activations" in mine:
+            results[(m, schedule)]["gpipe activations"] = {r: e["gpipe activations"].get(r, 0) for r, e in enumerate(every)}
     return results
 
 
@@ -147,23 +161,32 @@ def measure_simulated(p: int, quick: bool) -> dict:
     return results
 
 
+def _ideal(schedule: str, p: int, m: int) -> float:
+    from globaltensor.actor_rt import schedules
+    v = CUTS.get(schedule, {}).get("chunks_per_stage", 1)
+    chunks = schedules.chunk_count(schedule, p, v)
+    return schedules.bubble(schedules.sequences(schedule, p, v, m), chunks, schedules.splits_weight_gradients(schedule),
+                            schedules.sizes(schedule, p, chunks))
+
+
 def report(p: int, where: str, results: dict) -> str:
     rows = []
     for (m, schedule), r in results.items():
         gpipe = results[(m, "gpipe")]
         if any(abs(a - b) > 1e-4 * max(1.0, abs(b)) for a, b in zip(r["losses"], gpipe["losses"])):
             raise AssertionError(f"{schedule}, p={p}, m={m}: losses {r['losses']} differ from GPipe's {gpipe['losses']}")
-        v = 2 if schedule == "interleaved_1f1b" else 1
-        ideal = (p - 1) / (m + p - 1) / v
-        act = [r["activations"].get(s, 0) / max(gpipe["activations"].get(s, 1), 1) for s in range(p)]
-        bound = [(p - s + 1) / m for s in range(p)] if schedule in ("1f1b", "zero_bubble") else None
+        ideal = _ideal(schedule, p, m)
+        base = r.get("gpipe activations", gpipe["activations"])
+        act = [r["activations"].get(s, 0) / max(base.get(s, 1), 1) for s in range(p)]
+        bound = ([(p - s + 1) / m for s in range(p)] if schedule in ("1f1b", "zero_bubble") else
+                 [(p + 1) / m] * p if schedule == "zbv" else None)
         rows.append([m, schedule, f"{r['step'] * 1e3:.1f} ms", f"{r['step'] / gpipe['step']:.2f}x",
                      f"{r['bubble']:.3f}", f"{ideal:.3f}",
                      " ".join(f"{a:.2f}" for a in act),
                      " ".join(f"{b:.2f}" for b in bound) if bound else "-",
                      "met" if bound is None or all(a <= b for a, b in zip(act, bound)) else "short"])
     return H.table(["m", "schedule", "step", "vs GPipe", "bubble", "ideal", "activations per stage / GPipe's",
-                    "1F1B bound", "memory"], rows, f"## {p} stages, {where}")
+                    "bound", "memory"], rows, f"## {p} stages, {where}")
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,7 @@ The fixture ``launch_tools`` gives the lower-level helpers (``run_job``, ``job_e
 """
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
@@ -31,6 +32,14 @@ import globaltensor as gt
 # One thread per test process: the suite runs two workers on two cores, and a launched job's
 # ranks get OMP_NUM_THREADS=1 likewise (job_env); more threads only spin against each other.
 torch.set_num_threads(1)
+
+# Inductor's caches do not key a compiled graph by ATEN_CPU_CAPABILITY: with torch 2.13, a graph
+# compiled under this machine's avx512 and found again under ATEN_CPU_CAPABILITY=avx2 computes
+# garbage, and under "default" fails to compile. A run that forces a capability (the suite is
+# tried under each) keeps caches of its own; its launched jobs inherit the setting.
+if os.environ.get("ATEN_CPU_CAPABILITY"):
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 COLLECTIVE_TIMEOUT_S = 20
 JOB_TIMEOUT_S = 120

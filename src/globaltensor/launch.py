@@ -38,6 +38,8 @@ from typing import IO, List, Optional, Sequence
 from .forked_rank import ForkedRank, preload
 
 POLL_S = 0.05
+#: how close two ranks' ends must be for a signal's to be reported before an error's (:func:`_cause`)
+SAME_END_S = 0.25
 
 TIMEOUT_EXIT = 124
 
@@ -248,8 +250,24 @@ def monitor(procs: List[subprocess.Popen], timeout: Optional[float]) -> tuple:
             continue
         left.discard(r)
         if code != 0:
-            return "failed", [r]
+            return "failed", [_cause(r, code, ended)]
     return "ok", []
+
+
+def _cause(r: int, code: int, ended: "queue.Queue") -> int:
+    """The rank to report for a job whose rank ``r`` ended first with ``code``: ``r``, unless it exited
+    with an error and another rank killed by a signal ends within :data:`SAME_END_S` -- then that one.
+    On a busy machine a killed rank's waiter thread may run after its peer's, which exits on the
+    collective the kill broke a few milliseconds later; a signal is the cause, the error its effect."""
+    deadline = time.monotonic() + SAME_END_S
+    while code > 0 and time.monotonic() < deadline:
+        try:
+            other, other_code = ended.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if other_code < 0:
+            return other
+    return r
 
 
 def _exit_code_of(code: int) -> int:

@@ -125,6 +125,33 @@ def test_death_by_signal_ends_the_job_fast(method, script, tools):
     _assert_torn_down(res)
 
 
+class _Ends:
+    """A stand-in rank for ``monitor``: ``wait()`` returns ``code`` after ``delay`` seconds (None: never
+    within the test)."""
+
+    def __init__(self, code, delay):
+        self.code, self.delay = code, delay
+
+    def wait(self):
+        time.sleep(SLEEP_S if self.delay is None else self.delay)
+        return self.code
+
+
+@pytest.mark.parametrize("ends, reported", [
+    # the killed rank's waiter 20 ms late (well inside SAME_END_S, whatever the load): the kill is the cause
+    ([(1, 0.0), (-signal.SIGKILL, 0.02)], 1),
+    ([(-signal.SIGKILL, 0.0), (1, 0.02)], 0),
+    ([(1, 0.0), (0, None)], 0),                    # an error alone is the cause
+    ([(1, 0.0), (-signal.SIGKILL, 1.0)], 0),       # a kill long after the error is its effect (or unrelated)
+])
+def test_a_failed_job_names_the_rank_whose_end_caused_it(ends, reported):
+    """A rank killed by a signal, ending within SAME_END_S of a peer that exited with an error, is the one
+    reported: the peer's error is the broken collective the kill left (seen in the suite on a busy
+    machine, where the killed rank's waiter thread ran after its peer's)."""
+    status, ranks = gt_launch.monitor([_Ends(code, delay) for code, delay in ends], timeout=10)
+    assert (status, ranks) == ("failed", [reported])
+
+
 @METHODS
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(method, script, tools):
     res = tools.run_job(launcher_cmd(2, script(SLEEPER), "--grace", "1", args=["exit", "stubborn"], method=method),

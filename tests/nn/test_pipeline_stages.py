@@ -22,7 +22,9 @@ S, B = gt.sbp.split, gt.sbp.broadcast
 EXACT = dict(rtol=1e-11, atol=1e-13)     # float64, the same sums in another order (micro-batch means)
 
 
-def _train(model, reference, stages, loss_of, batches, schedule, batch_sbp=S(0)):
+def _train(model, reference, stages, loss_of, batches, schedule, batch_sbp=S(0), last=None):
+    """Train 3 steps beside one device; the targets on ``last`` (the head's placement: the last stage's
+    by default)."""
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
 
     def step(x, y, model=model, opt=opt):
@@ -35,7 +37,7 @@ def _train(model, reference, stages, loss_of, batches, schedule, batch_sbp=S(0))
     g = gt.compile(step, micro_batches=4, schedule=schedule)
     for i, (x, y) in enumerate(batches):
         with no_fallback():
-            loss = g(gt.distribute(x, stages[0], batch_sbp), gt.distribute(y, stages[-1], batch_sbp))
+            loss = g(gt.distribute(x, stages[0], batch_sbp), gt.distribute(y, last or stages[-1], batch_sbp))
         want = step(x, y, reference, ref_opt)
         torch.testing.assert_close(loss.full_tensor(), want, **EXACT, msg=lambda e: f"{schedule} step {i}: {e}")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -43,36 +45,44 @@ def _train(model, reference, stages, loss_of, batches, schedule, batch_sbp=S(0))
     return g
 
 
-def _train_gpt_in_stages(schedule, plan=None, batch_sbp=S(0), chunks_per_stage=1):
-    """examples/gpt.py's 4-layer GPT cut into stages on [0, 1] and [2, 3], trained 3 steps beside one
-    device; (the compiled step, the model, the stages, pipeline_stages' answer)."""
+def _cut(schedule: str) -> dict:
+    """pipeline_stages' chunk options for a schedule: 2 chunks per stage taking the stages in turn
+    (interleaved) or down and back up (zbv)."""
+    return {"interleaved_1f1b": dict(chunks_per_stage=2), "zbv": dict(chunks_per_stage=2, v_shape=True)}.get(schedule, {})
+
+
+def _train_gpt_in_stages(schedule, plan=None, batch_sbp=S(0)):
+    """examples/gpt.py's 4-layer GPT cut into stages on [0, 1] and [2, 3] as ``schedule`` runs them,
+    trained 3 steps beside one device; (the compiled step, the model, the stages, pipeline_stages' answer)."""
     cfg = GPTConfig(n_layer=4)
     torch.manual_seed(0)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
     stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
-    held = gt.nn.pipeline_stages(model, stages, plan, chunks_per_stage=chunks_per_stage)
+    held = gt.nn.pipeline_stages(model, stages, plan, **_cut(schedule))
     batches = [make_batch(cfg, 8, 16, torch.Generator().manual_seed(i)) for i in range(3)]
-    g = _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule, batch_sbp)
+    g = _train(model, reference, stages, lambda m, x, y: m.loss(x, y), batches, schedule, batch_sbp,
+               last=model.lm_head.weight.placement)
     return g, model, stages, held
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
 def test_the_gpt_in_two_data_parallel_stages_trains_as_one_device(schedule, float64):
-    v = 2 if schedule == "interleaved_1f1b" else 1
     with gt.simulate(4):
-        g, model, stages, held = _train_gpt_in_stages(schedule, chunks_per_stage=v)
-        want = ({0: ["blocks.0", "blocks.1"], 1: ["blocks.2", "blocks.3", "ln_f", "lm_head"]} if v == 1 else
-                {0: ["blocks.0", "blocks.2"], 1: ["blocks.1", "blocks.3", "ln_f", "lm_head"]})
+        g, model, stages, held = _train_gpt_in_stages(schedule)
+        want = {"interleaved_1f1b": {0: ["blocks.0", "blocks.2"], 1: ["blocks.1", "blocks.3", "ln_f", "lm_head"]},
+                "zbv": {0: ["blocks.0", "blocks.3", "ln_f", "lm_head"], 1: ["blocks.1", "blocks.2"]}}.get(
+            schedule, {0: ["blocks.0", "blocks.1"], 1: ["blocks.2", "blocks.3", "ln_f", "lm_head"]})
         assert held == want
-        assert model.wte.weight.placement == stages[0] and model.lm_head.weight.placement == stages[1]
+        head = stages[0] if schedule == "zbv" else stages[1]        # zbv: the first stage holds the last chunk
+        assert model.wte.weight.placement == stages[0] and model.lm_head.weight.placement == head
         assert schedule in repr(g.plan)
 
 
 FSDP = {"wte.weight": B, "wpe.weight": B, "*.weight": S(0), "*.bias": S(0)}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "zbv"])
 @pytest.mark.parametrize("plan, batch_sbp", [(FSDP, S(0)), (None, S(1, order="head_tail"))], ids=["fsdp", "sequence"])
 def test_fsdp_and_sequence_parallel_stages_train_as_one_device(schedule, plan, batch_sbp, float64):
     """Each stage FSDP-style (its parameters split, gathered for use) or sequence-parallel (the
@@ -81,7 +91,7 @@ def test_fsdp_and_sequence_parallel_stages_train_as_one_device(schedule, plan, b
         _train_gpt_in_stages(schedule, plan, batch_sbp)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
 def test_hf_llama_cut_into_stages_trains_as_one_device(schedule, float64):
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa", tie_word_embeddings=False)
@@ -94,13 +104,14 @@ def test_hf_llama_cut_into_stages_trains_as_one_device(schedule, float64):
         model = LlamaForCausalLM(cfg)
         reference = copy.deepcopy(model)
         stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
-        held = gt.nn.pipeline_stages(model, stages, chunks_per_stage=2 if schedule == "interleaved_1f1b" else 1)
-        assert held[1][-2:] == ["model.norm", "lm_head"], held
+        held = gt.nn.pipeline_stages(model, stages, **_cut(schedule))
+        head = 0 if schedule == "zbv" else 1
+        assert held[head][-2:] == ["model.norm", "lm_head"], held
         assert model.model.rotary_emb.inv_freq.placement == stages[0]        # no parameters: stays with the head
         gen = torch.Generator().manual_seed(0)
         ids = [torch.randint(0, 64, (8, 9), generator=gen) for _ in range(3)]
         _train(model, reference, stages, loss_of, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids],
-               schedule)
+               schedule, last=stages[head])
 
 
 def test_what_pipeline_stages_refuses():
@@ -108,6 +119,9 @@ def test_what_pipeline_stages_refuses():
         stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
         with pytest.raises(ValueError, match="holds 2 layers, fewer than the 4 chunks"):
             gt.nn.pipeline_stages(GPT(GPTConfig(n_layer=2)), stages, chunks_per_stage=2)
+        with pytest.raises(ValueError, match="v_shape=True goes down the stages and back up: it takes "
+                                             "chunks_per_stage=2, got 1"):
+            gt.nn.pipeline_stages(GPT(GPTConfig(n_layer=4)), stages, v_shape=True)
         with pytest.raises(ValueError, match="as many axes each"):
             gt.nn.pipeline_stages(GPT(), [stages[0], gt.placement("cpu", [[2], [3]])])
         with pytest.raises(ValueError, match="activation entries"):

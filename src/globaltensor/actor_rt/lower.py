@@ -75,8 +75,10 @@ def _last_backward(cap: Captured, what: str) -> int:
     return last
 
 
-def _per_micro_batch(cap: Captured, live: set, m: int) -> Dict[int, bool]:
-    if m == 1:
+def _per_micro_batch(cap: Captured, live: set, m: int, scheduled: bool) -> Dict[int, bool]:
+    """Which live nodes run once per micro-batch: every one for a single micro-batch, unless a pipeline
+    schedule orders it (its ops after the backward then run once, after every unit, as for more)."""
+    if m == 1 and not scheduled:
         return {i: True for i in live}
     nodes, values = cap.nodes, cap.values
     last_backward = _last_backward(cap, "micro_batches=m")
@@ -164,7 +166,7 @@ class _Builder:
 
     def build(self, live: set, schedule: str, exchange: Optional[Callable] = None) -> None:
         cap, m = self.cap, self.m
-        self.per_mb = _per_micro_batch(cap, live, m)
+        self.per_mb = _per_micro_batch(cap, live, m, schedule != "gpipe")
         if schedule != "gpipe":
             self.schedule = PipelineSchedule(schedule, cap, [i for i in sorted(live) if self.per_mb[i]], m,
                                              _last_backward(cap, f"schedule={schedule!r}"), self.rank_of, exchange,

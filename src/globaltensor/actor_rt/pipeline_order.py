@@ -10,7 +10,7 @@ from .fuse_views import is_layout_view
 from .graph import Captured
 from .pipeline_units import PipelineLayout, cannot_schedule, layout as pipeline_layout, split_weight_gradients
 from .program import TaskSpec
-from .schedules import in_flight, sequences, splits_weight_gradients, timeline
+from .schedules import chunk_count, in_flight, sequences, sizes, splits_weight_gradients, stage_of, timeline
 
 
 class PipelineSchedule:
@@ -28,8 +28,8 @@ class PipelineSchedule:
             split_weight_gradients(cap, self.layout, nodes)
         p, chunks = len(self.layout.stages), self.layout.chunks
         _check_schedule(name, p, chunks, m)
-        self.sequences = sequences(name, p, chunks // p, m)
-        self.start = timeline(self.sequences, chunks, self.split)
+        self.sequences = sequences(name, p, 2 if name == "zbv" else chunks // p, m)
+        self.start = timeline(self.sequences, chunks, self.split, sizes(name, p, chunks))
         self.unit_tasks: Dict[tuple, List[int]] = {}
 
     def unit(self, node: int, mb: int) -> tuple:
@@ -42,9 +42,11 @@ class PipelineSchedule:
         kind, chunk, _ = self.unit(node, mb)
         if kind == "P":                          # after the chunk's backward
             release = ("W" if self.split else "B", chunk, mb)
-            return (0, self.start[release], chunk % len(self.layout.stages), 3, mb, node + offset)
-        return (0, self.start[(kind, chunk, mb)], chunk % len(self.layout.stages), "FBW".index(kind), mb,
-                node + offset)
+            return (0, self.start[release], self._stage(chunk), 3, mb, node + offset)
+        return (0, self.start[(kind, chunk, mb)], self._stage(chunk), "FBW".index(kind), mb, node + offset)
+
+    def _stage(self, chunk: int) -> int:
+        return stage_of(self.name, chunk, len(self.layout.stages))
 
     def credits(self, tasks: List[TaskSpec], position: Dict[int, int]) -> None:
         """Each stage's bound K on the micro-batches it holds, as credits: its i-th forward waits for
@@ -84,7 +86,11 @@ def _check_schedule(name: str, p: int, chunks: int, m: int) -> None:
     if name in ("1f1b", "zero_bubble") and chunks != p:
         cannot_schedule(name, f"the model runs {chunks} chunks on {p} stages, and {name} takes one chunk per stage "
                               f"(schedule='interleaved_1f1b' for chunks that take the stages in turn)")
-    if m < p:
+    if name == "zbv" and chunks != chunk_count(name, p, 2):
+        cannot_schedule(name, f"the model runs {chunks} chunks on {p} stages, and zbv takes {chunk_count(name, p, 2)}: "
+                              f"two halves per stage, down the stages and back up "
+                              f"(pipeline_stages(..., chunks_per_stage=2, v_shape=True))")
+    if m < p and name != "zbv":            # zbv's simulation takes any number (schedules.py)
         cannot_schedule(name, f"{m} micro-batches for {p} stages; it needs at least as many micro-batches as stages")
     if name == "interleaved_1f1b" and m % p:
         cannot_schedule(name, f"{m} micro-batches on {p} stages; it runs the micro-batches in rounds of {p}, so "

@@ -6,7 +6,8 @@ point-to-point transfer (the pieces of an activation moving on), hold one stage.
 flow of one micro-batch, every edge from one stage to another starts a new *chunk*: the forward
 passes chunks 0, 1, ..., V - 1, the backward comes back through V - 1, ..., 0 (a backward op reading
 chunk c's saved activations or chunk c + 1's gradient belongs to chunk c's backward). Each chunk
-must sit on one stage, chunk c on stage c mod p. For the zero-bubble schedule a chunk's backward
+must sit on one stage, where the schedule runs it (schedules.stage_of: chunk c on stage c mod p, or
+for ``zbv`` down the stages and back up). For the zero-bubble schedules a chunk's backward
 is split: the ops the input gradient needs -- what is sent to the previous chunk, through data
 and through reads and writes of one storage in capture order -- are its ``B`` unit, the rest (the
 weight gradients) its ``W``. Per-micro-batch ops after the backward (a loss detached for the
@@ -25,12 +26,13 @@ from torch.utils._pytree import tree_unflatten
 
 from .graph import Captured, Node
 from .program import CompileError
+from .schedules import chunk_count, stage_of
 
 
 @dataclass
 class PipelineLayout:
     stages: List[Tuple[int, ...]]            # the ranks of each stage, stage 0 first
-    chunks: int                              # V: the model chunks, chunk c on stage c mod p
+    chunks: int                              # V: the model chunks, chunk c on stage schedules.stage_of(c)
     unit_of: Dict[int, Tuple[str, int]]      # node index -> (kind "F" / "B" / "W" / "P", chunk)
 
 
@@ -138,12 +140,7 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
             cannot_schedule(schedule, f"chunk {c} of the model runs no op")
         if g not in groups:
             groups.append(g)
-    p = len(groups)
-    for c in range(chunks):
-        if stage_of_chunk[c] != groups[c % p]:
-            cannot_schedule(schedule, f"chunk {c} runs on stage {groups.index(stage_of_chunk[c])}, not on stage "
-                                      f"{c % p}: the model's chunks must take the {p} stages in turn (chunk k on "
-                                      f"stage k mod {p})")
+    _check_stages(schedule, [groups.index(stage_of_chunk[c]) for c in range(chunks)], len(groups))
     members: Dict[int, List[int]] = {}
     for r in list(ranks.parent):
         members.setdefault(first_rank(ranks.find(r)), []).append(r)
@@ -161,22 +158,45 @@ def layout(cap: Captured, per_mb_nodes: List[int], last_backward: int, rank_of, 
     return PipelineLayout([tuple(sorted(members.get(g, [g]))) for g in groups], chunks, unit_of)
 
 
-def _positions(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group, saved, anchor) -> None:
+def _check_stages(schedule: str, stages: List[int], p: int) -> None:
+    """Each chunk on the stage the schedule runs it on (``stages[c]``: chunk c's, numbered by first use).
+    A chunk count the schedule does not take is left to its own check (pipeline_order.py)."""
+    if schedule == "zbv" and len(stages) != chunk_count(schedule, p, 2):
+        return
+    for c, s in enumerate(stages):
+        if s != stage_of(schedule, c, p):
+            how = (f"go down the {p} stages and back up (chunk k on stage min(k, {2 * p - 2} - k))" if schedule == "zbv"
+                   else f"take the {p} stages in turn (chunk k on stage k mod {p})")
+            cannot_schedule(schedule, f"chunk {c} runs on stage {s}, not on stage {stage_of(schedule, c, p)}: the "
+                                      f"model's chunks must {how}")
+
+
+def _positions(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group, saved, anchor,
+               waits: Set[int] = frozenset()) -> None:
     """Each node's position from its inputs' (in capture order): the latest of them, one more across
     stages; a backward node reading a forward value at position p is at ``saved(node, p)``, the
-    chunk's backward. A forward node reading the step's arguments on ``anchor``'s stage starts at 0."""
+    chunk's backward. A forward node reading the step's arguments on ``anchor``'s stage starts at 0.
+    A node reading one of ``waits`` whose position is not known yet stays unplaced: its other inputs
+    would place it too early (the loss reading the targets, on a first stage that also runs the last
+    chunk, before the activation that reaches it through a receive buffer is placed)."""
     nodes, values = cap.nodes, cap.values
     for i in todo:
         n = nodes[i]
-        here, found = group(n), []
+        here, found, waiting = group(n), [], False
         for v in n.inputs:
-            if values[v].kind != "node" or position.get(values[v].node) is None:
+            if values[v].kind != "node":
                 continue
-            src, p = nodes[values[v].node], position[values[v].node]
+            j = values[v].node
+            if position.get(j) is None:
+                waiting = waiting or j in waits
+                continue
+            src, p = nodes[j], position[j]
             if n.backward and not src.backward:
                 found.append(saved(n, p))
             else:
                 found.append(p + (group(src) != here))  # another stage's value: the next chunk
+        if waiting:
+            continue
         if not found and here == anchor and any(values[v].kind == "arg" for v in n.inputs):
             found = [0]
         position[i] = max(found) if found else None
@@ -185,12 +205,13 @@ def _positions(cap: Captured, todo: List[int], position: Dict[int, Optional[int]
 def _as_late_as_used(cap: Captured, forward: List[int], position: Dict[int, Optional[int]], group) -> None:
     """A forward op runs with the earliest chunk of its stage that uses it, where that is later than
     its inputs make it: a rotary table received from the first stage for the fourth chunk's attention
-    is the fourth chunk's (its backward reads it there), not the second's. Transfers stay where their
-    senders put them."""
+    is the fourth chunk's (its backward reads it there), not the second's; and where the first stage
+    also runs the last chunk (zbv), the loss's targets and their count over the data ranks (an
+    all-reduce) are the last chunk's, not the first's. Transfers stay where their senders put them."""
     users = _users(cap, forward)
     for i in reversed(forward):
         n = cap.nodes[i]
-        if n.kind == "collective" or position.get(i) is None:
+        if n.kind == "collective" and n.target == "send_recv" or position.get(i) is None:
             continue
         here = group(n)
         later = [position[u] for u in users.get(i, ()) if position.get(u) is not None and group(cap.nodes[u]) == here]
@@ -239,13 +260,23 @@ def _forward_positions(cap: Captured, forward: List[int], group, anchor, known: 
 def _settle(cap: Captured, todo: List[int], position: Dict[int, Optional[int]], group, saved, anchor) -> None:
     """Positions from inputs, then from users, again until none is added: in a process world a
     chain can start from a value received from another process (a gradient), which only its
-    users place."""
+    users place; a node waits for every input of ``todo`` to be placed, and where all that are left
+    wait on each other, the first that its placed inputs place goes ahead."""
     users = _users(cap, todo)
     while True:
-        unknown = sum(position.get(i) is None for i in todo)
-        _positions(cap, [i for i in todo if position.get(i) is None], position, group, saved, anchor)
+        left = [i for i in todo if position.get(i) is None]
+        _positions(cap, left, position, group, saved, anchor, waits=set(left))
         _sources_from_users(cap, todo, position, group, users)
-        if sum(position.get(i) is None for i in todo) in (0, unknown):
+        now = [i for i in todo if position.get(i) is None]
+        if now and len(now) == len(left):
+            # every node left waits on another (a receive buffer placed by its users, the writer
+            # among them): the first in capture order that its known inputs place goes ahead
+            for i in now:
+                _positions(cap, [i], position, group, saved, anchor)
+                if position.get(i) is not None:
+                    break
+            now = [i for i in todo if position.get(i) is None]
+        if len(now) in (0, len(left)):
             return
 
 

@@ -1,18 +1,20 @@
 """Pipeline schedules: the order in which each stage runs its units.
 
 A *unit* ``(kind, chunk, mb)`` is the work of one model chunk for one micro-batch: ``"F"`` its
-forward, ``"B"`` its backward -- for the zero-bubble schedule only the part that makes the input
+forward, ``"B"`` its backward -- for the zero-bubble schedules only the part that makes the input
 gradients the previous chunk waits for, the weight gradients split off as ``"W"``. The model is cut
-into ``V = v * p`` chunks on ``p`` stages, chunk ``c`` on stage ``c mod p``. A unit waits for the
-units it needs: ``F(c, j)`` for ``F(c - 1, j)``, ``B(c, j)`` for ``F(c, j)`` and ``B(c + 1, j)``,
-``W(c, j)`` for ``B(c, j)``.
+into ``V`` chunks on ``p`` stages: ``V = v * p`` taking the stages in turn, chunk ``c`` on stage
+``c mod p``; for ``zbv`` ``V = 2p - 1`` in a V, down the stages and back up (:func:`stage_of`). A
+unit waits for the units it needs: ``F(c, j)`` for ``F(c - 1, j)``, ``B(c, j)`` for ``F(c, j)`` and
+``B(c + 1, j)``, ``W(c, j)`` for ``B(c, j)``.
 
 A schedule is each stage's sequence of units (:func:`sequences`); :func:`timeline` runs the
 sequences against those dependencies at unit durations (forward 1, backward 2 -- or input and
-weight gradients 1 each) and gives each unit's start. Sorted by start, the units are one valid
-sequential execution: lower.py's reference order, from which every stream's static order follows
-(so the deadlock-freedom argument of lower.py holds for every schedule). :func:`in_flight` is the
-most micro-batches a stage holds activations for, which lower.py enforces with credits.
+weight gradients 1 each -- times the chunk's size, :func:`sizes`) and gives each unit's start.
+Sorted by start, the units are one valid sequential execution: lower.py's reference order, from
+which every stream's static order follows (so the deadlock-freedom argument of lower.py holds for
+every schedule). :func:`in_flight` is the most micro-batches a stage holds activations for, which
+lower.py enforces with credits.
 
 - ``gpipe``: every forward, then every backward; a stage holds all ``m`` micro-batches.
 - ``1f1b``: stage ``s`` runs ``p - s - 1`` forwards ahead, then alternates one forward and one
@@ -22,18 +24,44 @@ most micro-batches a stage holds activations for, which lower.py enforces with c
 - ``zero_bubble``: 1F1B's memory with the weight gradients deferred into the bubbles (ZB-H1):
   each stage runs a ready input gradient first, else a forward while it holds fewer than
   ``p - s`` micro-batches, else its oldest deferred weight gradient.
+- ``zbv``: the zero-bubble V schedule (ZB-V, Qi et al. 2024): the model cut into ``2p`` halves of a
+  stage's share, half ``k`` on stage ``k`` going down and on stage ``2p - 1 - k`` coming back, so the
+  first stage also holds the last chunk and the loss (the last stage's two halves, with no transfer
+  between them, are one chunk of twice the size: ``V = 2p - 1``). Weight gradients split off as in
+  ZB-H1, and each stage holds at most ``p`` micro-batches' activations (``2p`` halves) -- 1F1B's
+  first stage's, on every stage -- with a far smaller bubble: each stage runs a ready input gradient
+  first (the oldest micro-batch, the later chunk), else a forward of its returning chunk, else one
+  of its first chunk while what it holds and has promised stays within the bound, else its oldest
+  deferred weight gradient.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 Unit = Tuple[str, int, int]                  # (kind, chunk, micro-batch)
 _DURATION = {"F": 1.0, "B": 2.0, "W": 1.0}
 
 
 def splits_weight_gradients(schedule: str) -> bool:
-    return schedule == "zero_bubble"
+    return schedule in ("zero_bubble", "zbv")
+
+
+def chunk_count(schedule: str, p: int, v: int) -> int:
+    """``V``: how many chunks the schedule runs on ``p`` stages of ``v`` chunks each (``zbv``: ``v`` is 2,
+    the last stage's two halves one chunk)."""
+    return 2 * p - 1 if schedule == "zbv" else v * p
+
+
+def stage_of(schedule: str, chunk: int, p: int) -> int:
+    """The stage that runs ``chunk``: in turn (``chunk mod p``), or for ``zbv`` down and back up."""
+    return min(chunk, 2 * p - 2 - chunk) if schedule == "zbv" else chunk % p
+
+
+def sizes(schedule: str, p: int, chunks: int) -> List[float]:
+    """Each chunk's work in units of one chunk: ``zbv``'s halves are 1 each, so its turning chunk (the
+    last stage's two halves) is 2; every other schedule's chunks are alike."""
+    return [2.0 if schedule == "zbv" and c == p - 1 else 1.0 for c in range(chunks)]
 
 
 def _needs(unit: Unit, chunks: int, split: bool) -> List[Unit]:
@@ -64,7 +92,11 @@ def sequences(schedule: str, p: int, v: int, m: int) -> List[List[Unit]]:
         return out
     if schedule == "interleaved_1f1b":
         return [_interleaved(s, p, v, m) for s in range(p)]
-    return _zero_bubble(p, m)
+    if schedule == "zbv":
+        chunks = chunk_count(schedule, p, 2)
+        return _zero_bubble([sorted({s, 2 * p - 2 - s}) for s in range(p)], sizes(schedule, p, chunks), m,
+                            [2.0 * p] * p)
+    return _zero_bubble([[s] for s in range(p)], [1.0] * p, m, [float(p - s) for s in range(p)])
 
 
 def _interleaved(s: int, p: int, v: int, m: int) -> List[Unit]:
@@ -84,35 +116,42 @@ def _interleaved(s: int, p: int, v: int, m: int) -> List[Unit]:
     return seq + [unit("B", k) for k in range(total - ahead, total)]
 
 
-def _zero_bubble(p: int, m: int) -> List[List[Unit]]:
-    """ZB-H1 by simulation at unit durations 1: whenever a stage is free it starts a ready input
-    gradient, else a forward while it holds fewer than ``p - s`` micro-batches (a micro-batch is held
-    from its forward to its weight gradient), else its oldest deferred weight gradient."""
+def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[float]) -> List[List[Unit]]:
+    """A zero-bubble schedule by simulation (stage ``s`` runs chunks ``mine[s]``, ascending; chunk ``c``'s
+    units last ``size[c]``): whenever a stage is free it starts a ready input gradient (the oldest
+    micro-batch's, the later chunk's first), else a ready forward of a chunk of its other than its
+    first (room for it was promised), else one of its first chunk if what it holds and has promised,
+    with this micro-batch's chunks here, stays within ``bound[s]`` (in chunk sizes; a micro-batch is
+    held from its forward to its weight gradient), else its oldest deferred weight gradient. ZB-H1:
+    one chunk per stage, bound ``p - s``; ZB-V: ``zbv``'s chunks, bound ``2p``."""
+    p, chunks = len(mine), len(size)
     end: Dict[Unit, float] = {}
     seqs: List[List[Unit]] = [[] for _ in range(p)]
     free = [0.0] * p
-    next_f, next_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
-    held = [0] * p
-    total = 3 * p * m
-    while sum(len(q) for q in seqs) < total:
+    next_f, next_b = [0] * chunks, [0] * chunks
+    pending_w: List[List[Unit]] = [[] for _ in range(p)]
+    promised = [0.0] * p
+    while sum(len(q) for q in seqs) < 3 * chunks * m:
         now = min(free)
         started = False
         for s in (i for i in range(p) if free[i] == now):
-            choice = _zero_bubble_choice(s, p, m, now, end, next_f, next_b, pending_w, held)
+            choice = _zero_bubble_choice(mine[s], size, m, now, end, next_f, next_b, pending_w[s],
+                                         bound[s] - promised[s])
             if choice is None:
                 continue
-            kind = choice[0]
+            kind, c, j = choice
             if kind == "B":
-                next_b[s] += 1
-                pending_w[s].append(("W", s, choice[2]))
+                next_b[c] += 1
+                pending_w[s].append(("W", c, j))
             elif kind == "F":
-                next_f[s] += 1
-                held[s] += 1
+                next_f[c] += 1
+                if c == mine[s][0]:
+                    promised[s] += sum(size[x] for x in mine[s])
             else:
                 pending_w[s].pop(0)
-                held[s] -= 1
+                promised[s] -= size[c]
             seqs[s].append(choice)
-            free[s] = end[choice] = now + 1.0
+            free[s] = end[choice] = now + size[c]
             started = True
         if not started:
             later = [t for t in end.values() if t > now]
@@ -122,24 +161,33 @@ def _zero_bubble(p: int, m: int) -> List[List[Unit]]:
     return seqs
 
 
-def _zero_bubble_choice(s, p, m, now, end, next_f, next_b, pending_w, held):
+def _zero_bubble_choice(mine, size, m, now, end, next_f, next_b, pending_w, room):
+    chunks = len(size)
+
     def ready(u: Unit) -> bool:
-        return all(end.get(d, float("inf")) <= now for d in _needs(u, p, True))
-    if next_b[s] < m and ready(("B", s, next_b[s])):
-        return ("B", s, next_b[s])
-    if next_f[s] < m and held[s] < p - s and ready(("F", s, next_f[s])):
-        return ("F", s, next_f[s])
-    return pending_w[s][0] if pending_w[s] else None
+        return all(end.get(d, float("inf")) <= now for d in _needs(u, chunks, True))
+    backwards = [("B", c, next_b[c]) for c in mine if next_b[c] < m and ready(("B", c, next_b[c]))]
+    if backwards:
+        return min(backwards, key=lambda u: (u[2], -u[1]))
+    for c in reversed(mine[1:]):
+        if next_f[c] < m and ready(("F", c, next_f[c])):
+            return ("F", c, next_f[c])
+    first = mine[0]
+    if next_f[first] < m and sum(size[x] for x in mine) <= room and ready(("F", first, next_f[first])):
+        return ("F", first, next_f[first])
+    return pending_w[0] if pending_w else None
 
 
-def timeline(seqs: List[List[Unit]], chunks: int, split: bool) -> Dict[Unit, float]:
+def timeline(seqs: List[List[Unit]], chunks: int, split: bool, size: Optional[List[float]] = None) -> Dict[Unit, float]:
     """Each unit's start when every stage runs its sequence in order, a unit waiting for its stage
-    and for the units it needs (durations: forward 1, backward 2, or 1 + 1 split)."""
+    and for the units it needs (durations: forward 1, backward 2, or 1 + 1 split; times its chunk's
+    ``size``, 1 where not given)."""
     start: Dict[Unit, float] = {}
     end: Dict[Unit, float] = {}
     at = [0] * len(seqs)
     free = [0.0] * len(seqs)
-    durations = dict(_DURATION, B=1.0 if split else 2.0)
+    durations = _durations(split)
+    size = size or [1.0] * chunks
     while any(at[s] < len(q) for s, q in enumerate(seqs)):
         moved = False
         for s, q in enumerate(seqs):
@@ -149,7 +197,7 @@ def timeline(seqs: List[List[Unit]], chunks: int, split: bool) -> Dict[Unit, flo
                 if any(d not in end for d in needs):
                     break
                 start[unit] = max([free[s]] + [end[d] for d in needs])
-                end[unit] = free[s] = start[unit] + durations[unit[0]]
+                end[unit] = free[s] = start[unit] + durations[unit[0]] * size[unit[1]]
                 at[s] += 1
                 moved = True
         if not moved:
@@ -175,10 +223,16 @@ def in_flight(seq: List[Unit], split: bool) -> int:
     return peak
 
 
-def bubble(seqs: List[List[Unit]], chunks: int, split: bool) -> float:
-    """The idle fraction of the stages over the timeline's span, at unit durations."""
-    start = timeline(seqs, chunks, split)
-    durations = dict(_DURATION, B=1.0 if split else 2.0)
-    span = max(start[u] + durations[u[0]] for u in start)
-    busy = sum(durations[u[0]] for u in start)
+def bubble(seqs: List[List[Unit]], chunks: int, split: bool, size: Optional[List[float]] = None) -> float:
+    """The idle fraction of the stages over the timeline's span, at unit durations (times each chunk's
+    ``size``)."""
+    start = timeline(seqs, chunks, split, size)
+    durations = _durations(split)
+    size = size or [1.0] * chunks
+    span = max(start[u] + durations[u[0]] * size[u[1]] for u in start)
+    busy = sum(durations[u[0]] * size[u[1]] for u in start)
     return 1.0 - busy / (span * len(seqs))
+
+
+def _durations(split: bool) -> Dict[str, float]:
+    return dict(_DURATION, B=1.0 if split else 2.0)

@@ -6,7 +6,10 @@
 The model is laid out by ``plan`` on the first placement (``distribute_module``); then its
 repeated layers -- the ``nn.ModuleList`` / ``nn.ModuleDict`` named ``layers``, by default the one
 with the most children -- are cut into ``p * chunks_per_stage`` contiguous chunks, chunk ``c``
-moved to placement ``c mod p`` (each tensor keeping its SBP). What comes before the layers stays
+moved to placement ``c mod p`` (each tensor keeping its SBP); with ``v_shape=True`` (two chunks per
+stage, for ``schedule="zbv"``) down the placements and back up: chunk ``c`` to placement ``c`` for
+``c < p``, else ``2p - 1 - c``, so the first placement holds the first chunk and the last. What comes
+before the layers stays
 on the first stage (embeddings; modules with no parameters, such as a rotary embedding, too);
 the modules with parameters after them (the final norm, the head) go with the last chunk. A
 forward pre-hook on every moved module moves its global inputs to its placement: the activation
@@ -76,7 +79,7 @@ def _move(module: nn.Module, placement: Placement) -> None:
 
 
 def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: PlanLike = None, *,
-                    layers: Optional[str] = None, chunks_per_stage: int = 1,
+                    layers: Optional[str] = None, chunks_per_stage: int = 1, v_shape: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Dict[int, List[str]]:
     """Lay ``model`` out by ``plan`` and cut its layers into pipeline stages (see the module's
     docstring); in place. Returns, per stage, the names of the modules it holds besides the first
@@ -89,6 +92,8 @@ def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: Pla
                 f"{[p.ndim for p in placements]} axes")
     if not isinstance(chunks_per_stage, int) or isinstance(chunks_per_stage, bool) or chunks_per_stage < 1:
         _refuse(f"chunks_per_stage: expected an int >= 1, got {chunks_per_stage!r}")
+    if v_shape and chunks_per_stage != 2:
+        _refuse(f"v_shape=True goes down the stages and back up: it takes chunks_per_stage=2, got {chunks_per_stage}")
     activations = [k for k, _ in _entries(plan) if is_activation_key(k)]
     if activations:
         _refuse(f"the plan's activation entries {activations} are bound to one placement; give the stages' plans "
@@ -105,17 +110,18 @@ def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: Pla
     tail = [(n, m) for n, m in _after(model, name) if next(m.parameters(), None) is not None]
     _check_untied(model, layer_list, [m for _, m in tail])
     stages: Dict[int, List[str]] = {s: [] for s in range(p)}
+    stage_of = [min(c, chunks - 1 - c) if v_shape else c % p for c in range(chunks)]
     size, extra = divmod(len(layer_list), chunks)
     start = 0
     for c in range(chunks):
         end = start + size + (c < extra)
         for i in range(start, end):
-            _move(layer_list[i], placements[c % p])
-            stages[c % p].append(f"{name}.{keys[i]}")
+            _move(layer_list[i], placements[stage_of[c]])
+            stages[stage_of[c]].append(f"{name}.{keys[i]}")
         start = end
     for n, m in tail:
-        _move(m, placements[(chunks - 1) % p])
-        stages[(chunks - 1) % p].append(n)
+        _move(m, placements[stage_of[-1]])
+        stages[stage_of[-1]].append(n)
     if bucket_bytes:
         bucket_gradients(model, bucket_bytes)
     return stages
