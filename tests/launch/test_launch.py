@@ -137,18 +137,20 @@ class _Ends:
         return self.code
 
 
-@pytest.mark.parametrize("ends, reported", [
-    # the killed rank's waiter 20 ms late (well inside SAME_END_S, whatever the load): the kill is the cause
-    ([(1, 0.0), (-signal.SIGKILL, 0.02)], 1),
-    ([(-signal.SIGKILL, 0.0), (1, 0.02)], 0),
-    ([(1, 0.0), (0, None)], 0),                    # an error alone is the cause
-    ([(1, 0.0), (-signal.SIGKILL, 1.0)], 0),       # a kill long after the error is its effect (or unrelated)
+@pytest.mark.parametrize("ends, window, reported", [
+    # the killed rank's waiter 20 ms late: the kill is the cause (a window no load can outlast)
+    ([(1, 0.0), (-signal.SIGKILL, 0.02)], 10.0, 1),
+    ([(-signal.SIGKILL, 0.0), (1, 0.02)], 10.0, 0),
+    ([(1, 0.0), (0, None)], gt_launch.SAME_END_S, 0),      # an error alone is the cause
+    ([(1, 0.0), (-signal.SIGKILL, 1.0)], 0.05, 0),         # a kill after the window: the error's effect, or another
 ])
-def test_a_failed_job_names_the_rank_whose_end_caused_it(ends, reported):
+def test_a_failed_job_names_the_rank_whose_end_caused_it(ends, window, reported, monkeypatch):
     """A rank killed by a signal, ending within SAME_END_S of a peer that exited with an error, is the one
     reported: the peer's error is the broken collective the kill left (seen in the suite on a busy
-    machine, where the killed rank's waiter thread ran after its peer's)."""
-    status, ranks = gt_launch.monitor([_Ends(code, delay) for code, delay in ends], timeout=10)
+    machine, where the killed rank's waiter thread ran after its peer's). The windows are set so that
+    load can only delay a late end further past them, or not reach them."""
+    monkeypatch.setattr(gt_launch, "SAME_END_S", window)
+    status, ranks = gt_launch.monitor([_Ends(code, delay) for code, delay in ends], timeout=30)
     assert (status, ranks) == ("failed", [reported])
 
 
