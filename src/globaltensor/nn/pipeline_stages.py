@@ -8,13 +8,13 @@ repeated layers -- the ``nn.ModuleList`` / ``nn.ModuleDict`` named ``layers``, b
 with the most children -- are cut into ``p * chunks_per_stage`` contiguous chunks, chunk ``c``
 moved to placement ``c mod p`` (each tensor keeping its SBP); with ``v_shape=True`` (two chunks per
 stage, for ``schedule="zbv"``) down the placements and back up: chunk ``c`` to placement ``c`` for
-``c < p``, else ``2p - 1 - c``, so the first placement holds the first chunk and the last. What comes
-before the layers stays
-on the first stage (embeddings; modules with no parameters, such as a rotary embedding, too);
-the modules with parameters after them (the final norm, the head) go with the last chunk. A
-forward pre-hook on every moved module moves its global inputs to its placement: the activation
-crossing to the next stage is a ``to_global`` like any other, and autograd sends its gradient back.
-The model's forward is unchanged; give the loss its targets on the last chunk's placement.
+``c < p``, else ``2p - 1 - c``, so the first placement holds the first chunk and the last. What
+comes before the layers stays on the first stage (embeddings; modules with no parameters, such as a
+rotary embedding, too); the modules with parameters after them (the final norm, the head) go with
+the last chunk. A forward pre-hook on every moved module moves its global inputs to its placement:
+the activation crossing to the next stage is a ``to_global`` like any other, and autograd sends its
+gradient back. The model's forward is unchanged; give the loss its targets on the last chunk's
+placement (the head's: ``model.lm_head.weight.placement``, the first under ``v_shape``).
 """
 from __future__ import annotations
 
