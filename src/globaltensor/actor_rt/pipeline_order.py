@@ -28,7 +28,7 @@ class PipelineSchedule:
             split_weight_gradients(cap, self.layout, nodes)
         p, chunks = len(self.layout.stages), self.layout.chunks
         _check_schedule(name, p, chunks, m)
-        self.sequences = sequences(name, p, 2 if name == "zbv" else chunks // p, m)
+        self.sequences = sequences(name, p, chunks // p, m)
         self.start = timeline(self.sequences, chunks, self.split, sizes(name, p, chunks))
         self.unit_tasks: Dict[tuple, List[int]] = {}
 

@@ -75,7 +75,7 @@ def _needs(unit: Unit, chunks: int, split: bool) -> List[Unit]:
 
 def sequences(schedule: str, p: int, v: int, m: int) -> List[List[Unit]]:
     """Each stage's units in the order it runs them (``v`` chunks per stage, ``m`` micro-batches);
-    ``schedule`` one of :data:`SCHEDULES`."""
+    ``schedule`` one of :data:`SCHEDULES` (``zbv``'s chunks are fixed by ``p``: ``v`` is not read)."""
     if schedule == "gpipe":
         return [[("F", c * p + s, j) for j in range(m) for c in range(v)] +
                 [("B", c * p + s, j) for j in range(m) for c in reversed(range(v))] for s in range(p)]
@@ -125,6 +125,7 @@ def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[f
     held from its forward to its weight gradient), else its oldest deferred weight gradient. ZB-H1:
     one chunk per stage, bound ``p - s``; ZB-V: ``zbv``'s chunks, bound ``2p``."""
     p, chunks = len(mine), len(size)
+    entering = [sum(size[c] for c in cs) for cs in mine]      # what a micro-batch entering a stage promises
     end: Dict[Unit, float] = {}
     seqs: List[List[Unit]] = [[] for _ in range(p)]
     free = [0.0] * p
@@ -135,8 +136,8 @@ def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[f
         now = min(free)
         started = False
         for s in (i for i in range(p) if free[i] == now):
-            choice = _zero_bubble_choice(mine[s], size, m, now, end, next_f, next_b, pending_w[s],
-                                         bound[s] - promised[s])
+            choice = _zero_bubble_choice(mine[s], chunks, m, now, end, next_f, next_b, pending_w[s],
+                                         bound[s] - promised[s] >= entering[s])
             if choice is None:
                 continue
             kind, c, j = choice
@@ -146,7 +147,7 @@ def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[f
             elif kind == "F":
                 next_f[c] += 1
                 if c == mine[s][0]:
-                    promised[s] += sum(size[x] for x in mine[s])
+                    promised[s] += entering[s]
             else:
                 pending_w[s].pop(0)
                 promised[s] -= size[c]
@@ -161,9 +162,7 @@ def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[f
     return seqs
 
 
-def _zero_bubble_choice(mine, size, m, now, end, next_f, next_b, pending_w, room):
-    chunks = len(size)
-
+def _zero_bubble_choice(mine, chunks, m, now, end, next_f, next_b, pending_w, has_room: bool):
     def ready(u: Unit) -> bool:
         return all(end.get(d, float("inf")) <= now for d in _needs(u, chunks, True))
     backwards = [("B", c, next_b[c]) for c in mine if next_b[c] < m and ready(("B", c, next_b[c]))]
@@ -173,7 +172,7 @@ def _zero_bubble_choice(mine, size, m, now, end, next_f, next_b, pending_w, room
         if next_f[c] < m and ready(("F", c, next_f[c])):
             return ("F", c, next_f[c])
     first = mine[0]
-    if next_f[first] < m and sum(size[x] for x in mine) <= room and ready(("F", first, next_f[first])):
+    if next_f[first] < m and has_room and ready(("F", first, next_f[first])):
         return ("F", first, next_f[first])
     return pending_w[0] if pending_w else None
 
