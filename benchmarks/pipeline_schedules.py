@@ -2,7 +2,7 @@
 gloo processes (one stage each) and on simulated stages, at p = 2 and 4 stages and m = 8 and 16
 micro-batches.
 
-    .venv/bin/python benchmarks/pipeline_schedules.py [--quick] [--procs 2,4] [--simulated]
+    .venv/bin/python benchmarks/pipeline_schedules.py [--quick] [--procs 2,4] [--simulated] [--cuts]
 
 The model: a chain of ``LAYERS`` blocks (Linear D->4D, GELU, Linear 4D->D, residual) and a linear
 head, its blocks cut into stages by ``gt.nn.pipeline_stages`` (interleaved: 2 chunks per stage in
@@ -19,6 +19,11 @@ mean-squared loss; every schedule's losses must equal GPipe's. Per schedule:
   ``(p - s) / m`` of GPipe's plus one micro-batch, zbv's ``p / m`` on every stage plus one (of GPipe's
   on zbv's cut).
 
+With ``--cuts``: the cut's effect. The same chain with a head of ``HEAD_WIDE`` outputs (the weights
+of two blocks, as a large vocabulary's head outweighs a layer), under 1F1B, cut with as many blocks
+per stage (``cut="even"``: the head's stage the slowest) and by weights (``cut="params"``: that stage
+gives blocks to the others).
+
 Processes run one rank each on this machine's cores (p = 4 on 2 cores shares them: times and
 bubbles there measure the machine as much as the schedule); simulated stages run every rank's
 streams as threads of one process (``streams="rank"``).
@@ -33,12 +38,13 @@ import time
 import _harness as H
 
 D, LAYERS, ROWS = 256, 8, 32           # width, blocks, rows per micro-batch
+HEAD_WIDE = 16 * D                     # --cuts: the head's outputs (D x 16D weights: two blocks' worth)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 #: pipeline_stages' cut per schedule: 2 chunks a stage in turn, or in a V
 CUTS = {"interleaved_1f1b": dict(chunks_per_stage=2), "zbv": dict(chunks_per_stage=2, v_shape=True)}
 
 
-def _model():
+def _model(head: int = D):
     import torch
     from torch import nn
 
@@ -54,7 +60,7 @@ def _model():
         def __init__(self):
             super().__init__()
             self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-            self.head = nn.Linear(D, D)
+            self.head = nn.Linear(D, head)
 
         def forward(self, x):
             for block in self.blocks:
@@ -78,7 +84,7 @@ def _bubble(timeline: list, ranks: list) -> float:
     return statistics.mean(idle)
 
 
-def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool) -> dict:
+def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool, cut: str = "even", head: int = D) -> dict:
     import torch
 
     import globaltensor as gt
@@ -86,15 +92,15 @@ def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool) -> dict:
     B = gt.sbp.broadcast
     stages = [gt.placement("cpu", [r]) for r in range(p)]
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(m * ROWS, D, generator=gen), torch.randn(m * ROWS, D, generator=gen)
+    x, y = torch.randn(m * ROWS, D, generator=gen), torch.randn(m * ROWS, head, generator=gen)
     gx = gt.distribute(x, stages[0], B)
     out = {}
     # zbv's memory is held against GPipe's on zbv's own cut (GPipe's last stage on the usual cut takes
     # each backward as soon as its forward is done, so it holds fewer than m there)
     kinds = ("timed", "traced", "measured") + (("baseline",) if schedule == "zbv" else ())
     for kind in kinds:
-        model = _model()
-        gt.nn.pipeline_stages(model, stages, **CUTS.get(schedule, {}))
+        model = _model(head)
+        out["cut"] = gt.nn.pipeline_stages(model, stages, cut=cut, **CUTS.get(schedule, {}))
         gy = gt.distribute(y, model.head.weight.placement, B)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
@@ -152,6 +158,30 @@ def _worker(rank: int, world: int, quick: bool) -> dict:
     return results
 
 
+def _worker_cuts(rank: int, world: int, quick: bool) -> dict:
+    """--cuts: 1F1B over the wide-headed chain, cut evenly and by weights; per cut, every rank's numbers."""
+    import torch.distributed as dist
+    results = {}
+    for cut in ("even", "params"):
+        mine = _run(world, 8, "1f1b", 3 if quick else 7, simulated=False, cut=cut, head=HEAD_WIDE)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        results[cut] = {"losses": every[0]["losses"], "step": max(e["step"] for e in every),
+                        "bubble": statistics.mean(e["bubble"] for e in every),
+                        "blocks": [sum(n.startswith("blocks.") for n in names) for names in every[0]["cut"].values()]}
+    return results
+
+
+def report_cuts(p: int, results: dict) -> str:
+    even = results["even"]
+    if any(abs(a - b) > 1e-4 * max(1.0, abs(b)) for a, b in zip(results["params"]["losses"], even["losses"])):
+        raise AssertionError(f"p={p}: the losses cut by weights {results['params']['losses']} differ from {even['losses']}")
+    rows = [[cut, " ".join(map(str, r["blocks"])), f"{r['step'] * 1e3:.1f} ms", f"{r['step'] / even['step']:.2f}x",
+             f"{r['bubble']:.3f}"] for cut, r in results.items()]
+    return H.table(["cut", "blocks per stage", "step", "vs even", "bubble"], rows,
+                   f"## 1F1B, {p} stages, m = 8, a head of {HEAD_WIDE} outputs (gloo processes)")
+
+
 def measure_simulated(p: int, quick: bool) -> dict:
     import globaltensor as gt
     results = {}
@@ -194,10 +224,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="m = 8 only, fewer repeats")
     ap.add_argument("--procs", default="2,4", help="process counts (one stage each), comma-separated")
     ap.add_argument("--simulated", action="store_true", help="also 2 and 4 simulated stages in this process")
+    ap.add_argument("--cuts", action="store_true", help="only the cut's effect: 1F1B, a wide head, cut evenly and by weights")
     args = ap.parse_args(argv)
     print(H.header("pipeline"))
     print(f"a chain of {LAYERS} blocks (Linear {D}->{4 * D}, GELU, Linear {4 * D}->{D}) and a head, float32, "
           f"{ROWS} rows per micro-batch, SGD\n")
+    if args.cuts:
+        for p in (int(v) for v in args.procs.split(",") if v):
+            print(report_cuts(p, H.spawn(_worker_cuts, p, args.quick, timeout=1800)) + "\n", flush=True)
+        return 0
     for p in (int(v) for v in args.procs.split(",") if v):
         print(report(p, "gloo processes", H.spawn(_worker, p, args.quick, timeout=3600)) + "\n", flush=True)
     if args.simulated:

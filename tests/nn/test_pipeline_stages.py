@@ -114,6 +114,29 @@ def test_hf_llama_cut_into_stages_trains_as_one_device(schedule, float64):
                schedule, last=stages[head])
 
 
+@pytest.mark.parametrize("cut, held_by_head", [("params", [3]), ([1, 3], [1, 2, 3])], ids=["params", "sizes"])
+def test_hf_llama_with_a_heavy_head_cut_by_its_weights_trains_as_one_device(cut, held_by_head, float64):
+    """A vocabulary of 512 makes the head (16,384 weights) weigh 1.6 layers (10,304 each): cut by
+    weights, the head's stage takes one layer of the four; cut by sizes given, as told."""
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, attn_implementation="sdpa", tie_word_embeddings=False)
+
+    def loss_of(m, x, y):
+        logits = m(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    with gt.simulate(4):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        reference = copy.deepcopy(model)
+        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+        held = gt.nn.pipeline_stages(model, stages, cut=cut)
+        assert held[1] == [f"model.layers.{i}" for i in held_by_head] + ["model.norm", "lm_head"], held
+        gen = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, 512, (8, 9), generator=gen) for _ in range(3)]
+        _train(model, reference, stages, loss_of, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids],
+               "1f1b")
+
+
 def test_what_pipeline_stages_refuses():
     with gt.simulate(4):
         stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
@@ -132,3 +155,5 @@ def test_what_pipeline_stages_refuses():
             gt.nn.pipeline_stages(tied, stages)
         with pytest.raises(ValueError, match="names no nn.ModuleList or nn.ModuleDict"):
             gt.nn.pipeline_stages(GPT(), stages, layers="wte")
+        with pytest.raises(ValueError, match=r"cut=\): expected 2 chunks' layer counts summing to the 4 layers"):
+            gt.nn.pipeline_stages(GPT(GPTConfig(n_layer=4)), stages, cut=[1, 2])

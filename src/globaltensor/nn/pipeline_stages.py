@@ -5,7 +5,8 @@
 
 The model is laid out by ``plan`` on the first placement (``distribute_module``); then its
 repeated layers -- the ``nn.ModuleList`` / ``nn.ModuleDict`` named ``layers``, by default the one
-with the most children -- are cut into ``p * chunks_per_stage`` contiguous chunks, chunk ``c``
+with the most children -- are cut into ``p * chunks_per_stage`` contiguous chunks (as many layers
+each, or balanced by weights, or sizes given: ``cut=``, nn/pipeline_cut.py), chunk ``c``
 moved to placement ``c mod p`` (each tensor keeping its SBP); with ``v_shape=True`` (two chunks per
 stage, for ``schedule="zbv"``) down the placements and back up: chunk ``c`` to placement ``c`` for
 ``c < p``, else ``2p - 1 - c``, so the first placement holds the first chunk and the last. What
@@ -28,6 +29,7 @@ from ..tensor import GlobalTensor
 from .distribute import DEFAULT_BUCKET_BYTES, PlanLike, _entries, distribute_module
 from .activation_layouts import is_activation_key
 from .grad_buckets import GradBuckets, bucket_gradients
+from .pipeline_cut import CutLike, chunk_sizes
 
 
 def _refuse(why: str):
@@ -80,7 +82,7 @@ def _move(module: nn.Module, placement: Placement) -> None:
 
 def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: PlanLike = None, *,
                     layers: Optional[str] = None, chunks_per_stage: int = 1, v_shape: bool = False,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Dict[int, List[str]]:
+                    cut: CutLike = "even", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Dict[int, List[str]]:
     """Lay ``model`` out by ``plan`` and cut its layers into pipeline stages (see the module's
     docstring); in place. Returns, per stage, the names of the modules it holds besides the first
     stage's head (embeddings): ``{stage: [names]}``."""
@@ -106,15 +108,15 @@ def pipeline_stages(model: nn.Module, placements: Sequence[Placement], plan: Pla
     if len(layer_list) < chunks:
         _refuse(f"{name} holds {len(layer_list)} layers, fewer than the {chunks} chunks of {p} stages x "
                 f"{chunks_per_stage} chunks per stage")
-    distribute_module(model, placements[0], plan, bucket_bytes=0)
     tail = [(n, m) for n, m in _after(model, name) if next(m.parameters(), None) is not None]
+    sizes = chunk_sizes(cut, layer_list, [m for _, m in tail], chunks)
+    distribute_module(model, placements[0], plan, bucket_bytes=0)
     _check_untied(model, layer_list, [m for _, m in tail])
     stages: Dict[int, List[str]] = {s: [] for s in range(p)}
     stage_of = [min(c, chunks - 1 - c) if v_shape else c % p for c in range(chunks)]
-    size, extra = divmod(len(layer_list), chunks)
     start = 0
-    for c in range(chunks):
-        end = start + size + (c < extra)
+    for c, size in enumerate(sizes):
+        end = start + size
         for i in range(start, end):
             _move(layer_list[i], placements[stage_of[c]])
             stages[stage_of[c]].append(f"{name}.{keys[i]}")
