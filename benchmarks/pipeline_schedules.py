@@ -2,7 +2,7 @@
 gloo processes (one stage each) and on simulated stages, at p = 2 and 4 stages and m = 8 and 16
 micro-batches.
 
-    .venv/bin/python benchmarks/pipeline_schedules.py [--quick] [--procs 2,4] [--simulated] [--cuts]
+    .venv/bin/python benchmarks/pipeline_schedules.py [--quick] [--procs 2,4] [--simulated] [--cuts] [--rows 32]
 
 The model: a chain of ``LAYERS`` blocks (Linear D->4D, GELU, Linear 4D->D, residual) and a linear
 head, its blocks cut into stages by ``gt.nn.pipeline_stages`` (interleaved: 2 chunks per stage in
@@ -84,7 +84,8 @@ def _bubble(timeline: list, ranks: list) -> float:
     return statistics.mean(idle)
 
 
-def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool, cut: str = "even", head: int = D) -> dict:
+def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool, cut: str = "even", head: int = D,
+         rows: int = ROWS) -> dict:
     import torch
 
     import globaltensor as gt
@@ -92,7 +93,7 @@ def _run(p: int, m: int, schedule: str, repeats: int, simulated: bool, cut: str 
     B = gt.sbp.broadcast
     stages = [gt.placement("cpu", [r]) for r in range(p)]
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(m * ROWS, D, generator=gen), torch.randn(m * ROWS, head, generator=gen)
+    x, y = torch.randn(m * rows, D, generator=gen), torch.randn(m * rows, head, generator=gen)
     gx = gt.distribute(x, stages[0], B)
     out = {}
     # zbv's memory is held against GPipe's on zbv's own cut (GPipe's last stage on the usual cut takes
@@ -140,13 +141,13 @@ def _configs(p: int, quick: bool) -> list:
     return [(m, s) for m in ms for s in SCHEDULES]
 
 
-def _worker(rank: int, world: int, quick: bool) -> dict:
+def _worker(rank: int, world: int, quick: bool, rows: int = ROWS) -> dict:
     """One stage per process: every schedule at m = 8 and 16; per config, every rank's numbers."""
     import torch.distributed as dist
     repeats = 3 if quick else 7
     results = {}
     for m, schedule in _configs(world, quick):
-        mine = _run(world, m, schedule, repeats, simulated=False)
+        mine = _run(world, m, schedule, repeats, simulated=False, rows=rows)
         every = [None] * world
         dist.all_gather_object(every, mine)
         results[(m, schedule)] = {
@@ -158,12 +159,12 @@ def _worker(rank: int, world: int, quick: bool) -> dict:
     return results
 
 
-def _worker_cuts(rank: int, world: int, quick: bool) -> dict:
+def _worker_cuts(rank: int, world: int, quick: bool, rows: int = ROWS) -> dict:
     """--cuts: 1F1B over the wide-headed chain, cut evenly and by weights; per cut, every rank's numbers."""
     import torch.distributed as dist
     results = {}
     for cut in ("even", "params"):
-        mine = _run(world, 8, "1f1b", 3 if quick else 7, simulated=False, cut=cut, head=HEAD_WIDE)
+        mine = _run(world, 8, "1f1b", 3 if quick else 7, simulated=False, cut=cut, head=HEAD_WIDE, rows=rows)
         every = [None] * world
         dist.all_gather_object(every, mine)
         results[cut] = {"losses": every[0]["losses"], "step": max(e["step"] for e in every),
@@ -182,12 +183,12 @@ def report_cuts(p: int, results: dict) -> str:
                    f"## 1F1B, {p} stages, m = 8, a head of {HEAD_WIDE} outputs (gloo processes)")
 
 
-def measure_simulated(p: int, quick: bool) -> dict:
+def measure_simulated(p: int, quick: bool, rows: int = ROWS) -> dict:
     import globaltensor as gt
     results = {}
     with gt.simulate(p):
         for m, schedule in _configs(p, quick):
-            results[(m, schedule)] = _run(p, m, schedule, 3 if quick else 5, simulated=True)
+            results[(m, schedule)] = _run(p, m, schedule, 3 if quick else 5, simulated=True, rows=rows)
     return results
 
 
@@ -224,20 +225,21 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="m = 8 only, fewer repeats")
     ap.add_argument("--procs", default="2,4", help="process counts (one stage each), comma-separated")
     ap.add_argument("--simulated", action="store_true", help="also 2 and 4 simulated stages in this process")
+    ap.add_argument("--rows", type=int, default=ROWS, help=f"rows per micro-batch (default {ROWS})")
     ap.add_argument("--cuts", action="store_true", help="only the cut's effect: 1F1B, a wide head, cut evenly and by weights")
     args = ap.parse_args(argv)
     print(H.header("pipeline"))
     print(f"a chain of {LAYERS} blocks (Linear {D}->{4 * D}, GELU, Linear {4 * D}->{D}) and a head, float32, "
-          f"{ROWS} rows per micro-batch, SGD\n")
+          f"{args.rows} rows per micro-batch, SGD\n")
     if args.cuts:
         for p in (int(v) for v in args.procs.split(",") if v):
-            print(report_cuts(p, H.spawn(_worker_cuts, p, args.quick, timeout=1800)) + "\n", flush=True)
+            print(report_cuts(p, H.spawn(_worker_cuts, p, args.quick, args.rows, timeout=1800)) + "\n", flush=True)
         return 0
     for p in (int(v) for v in args.procs.split(",") if v):
-        print(report(p, "gloo processes", H.spawn(_worker, p, args.quick, timeout=3600)) + "\n", flush=True)
+        print(report(p, "gloo processes", H.spawn(_worker, p, args.quick, args.rows, timeout=3600)) + "\n", flush=True)
     if args.simulated:
         for p in (2, 4):
-            print(report(p, "simulated (streams='rank')", measure_simulated(p, args.quick)) + "\n", flush=True)
+            print(report(p, "simulated (streams='rank')", measure_simulated(p, args.quick, args.rows)) + "\n", flush=True)
     return 0
 
 
