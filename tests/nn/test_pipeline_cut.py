@@ -48,6 +48,11 @@ def test_equal_layers_without_a_head_cut_as_evenly_as_the_even_cut(n, chunks, wa
     assert chunk_sizes("params", layers, [], chunks) == want
 
 
+def test_layers_without_weights_cut_evenly():
+    layers = [nn.GELU() for _ in range(5)]
+    assert chunk_sizes("params", layers, [nn.Linear(4, 4)], 2) == [3, 2]
+
+
 def test_a_heavy_head_takes_layers_from_the_last_chunk():
     layers = [nn.Linear(16, 16, bias=False) for _ in range(8)]          # 256 weights each
     head = nn.Linear(16, 32, bias=False)                                 # 512: two layers' worth

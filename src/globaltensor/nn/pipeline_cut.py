@@ -12,11 +12,12 @@ weights against a layer's 218 M), and the first holds the embeddings, a lookup t
   parameters but those of embeddings (``nn.Embedding`` / ``nn.EmbeddingBag``), which are looked up --
   and the modules after the layers counted with the last chunk. For a dense model each weight is one
   multiply-add per token forward, so this is its matmul flops' share. Cuts minimise the costliest
-  chunk, then the sum of the chunks' squared costs, then put fewer layers on later chunks. Not for
-  layers of unequal activity: a mixture-of-experts layer's weights count every expert where a token
-  runs a few (DeepSeek-V3's dense first layers would come out ten times cheaper than its routed
-  ones), nor for what the weights do not show (attention's own flops, the loss): give such a model
-  its sizes.
+  chunk, then the sum of the chunks' squared costs, then put fewer layers on later chunks (layers
+  without weights are cut as ``"even"`` cuts them). Not for layers of unequal activity: a
+  mixture-of-experts layer's weights count every expert where a token runs a few (DeepSeek-V3's
+  dense first layers would come out twenty times cheaper than its routed ones, for about the same
+  flops), nor for what the weights do not show (attention's own flops, the loss): give such a
+  model its sizes.
 - a list of ints: the layers of each chunk, in order (as Megatron-LM's first- and last-stage layer
   counts, or torchtitan's module lists per stage, say it).
 """
@@ -41,11 +42,12 @@ def chunk_sizes(cut: CutLike, layers: List[nn.Module], tail: List[nn.Module], ch
     """The layers of each of ``chunks`` chunks, as ``cut`` says (module docstring); ``tail``: the modules
     that go with the last chunk."""
     if isinstance(cut, str):
-        if cut == "even":
+        costs = [matmul_weights(m) for m in layers] if cut == "params" else []
+        if cut == "even" or (cut == "params" and not any(costs)):      # layers without weights: as many each
             size, extra = divmod(len(layers), chunks)
             return [size + (c < extra) for c in range(chunks)]
         if cut == "params":
-            return balanced([matmul_weights(m) for m in layers], sum(map(matmul_weights, tail)), chunks)
+            return balanced(costs, sum(map(matmul_weights, tail)), chunks)
         raise ValueError(f"pipeline_stages(cut=): expected one of {CUTS} or a list of layers per chunk, got {cut!r}")
     sizes = list(cut) if isinstance(cut, (list, tuple)) else None
     if sizes is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
