@@ -62,29 +62,38 @@ def chunk_sizes(cut: CutLike, layers: List[nn.Module], tail: List[nn.Module], ch
 def balanced(costs: Sequence[int], tail: int, chunks: int) -> List[int]:
     """Contiguous chunks of ``costs`` (``tail`` added to the last), ``chunks`` of them, none empty: the
     costliest chunk as cheap as can be, then the sum of squared chunk costs least, then fewer layers on
-    later chunks. ``best[k][j]``: the best cut of the first ``j`` layers into ``k`` chunks, as
-    ``(costliest, sum of squares, start of its last chunk)`` -- a later start is a shorter last chunk."""
+    later chunks. Two passes, as the sum of squares only decides among cuts of the least costliest
+    chunk: ``worst[k][j]``, the least costliest chunk of a cut of the first ``j`` layers into ``k``;
+    then ``best[k][j]``, ``(sum of squares, start of its last chunk)`` of the best such cut whose chunks
+    all stay within the whole cut's least costliest -- a later start is a shorter last chunk."""
     n = len(costs)
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    best = [{0: (0, 0, None)}]
+
+    def cost(i: int, j: int) -> int:
+        return prefix[j] - prefix[i] + (tail if j == n else 0)
+
+    def ends(k: int) -> range:
+        return range(k, n - (chunks - k) + 1)
+    worst = [{0: 0}]
+    for k in range(1, chunks + 1):
+        worst.append({j: min(max(worst[k - 1][i], cost(i, j)) for i in range(k - 1, j) if i in worst[k - 1])
+                      for j in ends(k)})
+    bound = worst[chunks][n]
+    best = [{0: (0, 0)}]
     for k in range(1, chunks + 1):
         row = {}
-        for j in range(k, n - (chunks - k) + 1):
-            extra = tail if j == n else 0
-            options = []
-            for i in range(k - 1, j):
-                if i in best[k - 1]:
-                    worst, squares, _ = best[k - 1][i]
-                    c = prefix[j] - prefix[i] + extra
-                    options.append((max(worst, c), squares + c * c, -i))
-            worst, squares, start = min(options)
-            row[j] = (worst, squares, -start)
+        for j in ends(k):
+            options = [(best[k - 1][i][0] + cost(i, j) ** 2, -i) for i in range(k - 1, j)
+                       if i in best[k - 1] and cost(i, j) <= bound]
+            if options:
+                squares, start = min(options)
+                row[j] = (squares, -start)
         best.append(row)
     sizes, j = [], n
     for k in range(chunks, 0, -1):
-        start = best[k][j][2]
+        start = best[k][j][1]
         sizes.append(j - start)
         j = start
     return sizes[::-1]
