@@ -1,5 +1,9 @@
 """Pipeline schedules: the order in which each stage runs its units.
 
+Pure arithmetic on orders, below the layers that read it: the actor runtime orders a compiled
+pipeline's tasks by it (actor_rt/pipeline_order.py), and ``plan_at_scale`` costs a schedule's
+bubble by it (nn/auto/scale_model.py).
+
 A *unit* ``(kind, chunk, mb)`` is the work of one model chunk for one micro-batch: ``"F"`` its
 forward, ``"B"`` its backward -- for the zero-bubble schedules only the part that makes the input
 gradients the previous chunk waits for, the weight gradients split off as ``"W"``. The model is cut

@@ -1,4 +1,4 @@
-"""Pipeline schedules (actor_rt/schedules.py, pipeline_units.py, lower.py): each stage's sequence of
+"""Pipeline schedules (schedules.py, actor_rt/pipeline_units.py, lower.py): each stage's sequence of
 units is a valid execution with the bounds the schedule promises; a compiled pipeline trains as the
 full-batch step under every schedule (float64), holds the micro-batches its schedule allows, and
 says what it runs in its plan; the steps a schedule cannot run raise naming the reason."""
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor.actor_rt import schedules as sch
+from globaltensor import schedules as sch
 from globaltensor.actor_rt.program import CompileError
 from runtime_helpers import run_bounded
 

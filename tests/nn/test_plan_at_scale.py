@@ -87,6 +87,8 @@ def test_plan_at_scale_chooses_a_valid_layout_no_slower_than_a_published_one():
     assert any(lay == fsdp for lay, _ in plan.options)
     assert plan.prediction.seconds <= plan.predict(fsdp).seconds
     assert plan.layout.text() in plan.explain()
+    searched = {(lay.schedule, lay.virtual > 1) for lay, _ in plan.options if lay.pp > 1}
+    assert searched == {("1f1b", False), ("1f1b", True), ("zero_bubble", False), ("zbv", False)}
 
 
 def test_a_deepseek_v3_shape_plans_with_its_experts_split_where_asked():
@@ -112,6 +114,49 @@ def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation(
     recomputed = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, recompute="full"), device, 64)
     first, last = kept.memory[0], kept.memory[max(kept.memory)]
     assert first > last and recomputed.memory[0] < first and recomputed.seconds > kept.seconds
+
+
+def _exact_bubble_steps(schedule, p, m):
+    """The schedule's bubble in micro-batches of a stage's work, simulated over all ``m`` micro-batches."""
+    from globaltensor import schedules
+    v = 2 if schedule == "zbv" else 1
+    chunks = schedules.chunk_count(schedule, p, v)
+    idle = schedules.bubble(schedules.sequences(schedule, p, v, m), chunks, True, schedules.sizes(schedule, p, chunks))
+    return idle / (1 - idle) * m
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8, 12, 16])
+def test_the_zero_bubble_schedules_bubble_is_their_orders_simulated(p):
+    """ZB-H1's bubble is 2 (pp - 1) / 3 micro-batches of a stage's work (1F1B's: pp - 1) at every m >= pp;
+    zbv's from (pp - 1) / 6 up, below ZB-H1's; both as the simulation of the whole run gives them,
+    where the model simulates the steady state's period alone."""
+    from globaltensor.nn.auto.scale_model import bubble_steps
+    for m in (p, p + 1, 2 * p, 4 * p, 4 * p + 1, 5 * p + 1, 6 * p + 3, 64, 9 * p + 1):
+        zb = bubble_steps(gnn.ScaleLayout(dp=1, pp=p, schedule="zero_bubble"), m)
+        zbv = bubble_steps(gnn.ScaleLayout(dp=1, pp=p, schedule="zbv"), m)
+        assert zb == pytest.approx(2 * (p - 1) / 3, rel=1e-9)
+        assert (p - 1) / 6 - 1e-9 <= zbv < zb
+        assert zbv == pytest.approx(_exact_bubble_steps("zbv", p, m), rel=1e-9), m
+    assert bubble_steps(gnn.ScaleLayout(dp=1, pp=p), 8) == p - 1
+
+
+def test_a_zero_bubble_layout_holds_what_its_schedule_does():
+    """ZB-H1 holds 1F1B's micro-batches (pp on the first stage, one on the last) for less bubble; zbv holds
+    pp on every stage, and its first stage the embedding, the head and the loss's logits as well."""
+    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
+    device = gnn.DEVICES["H100"]
+    one, zb, zbv = (predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, schedule=s), device, 64)
+                    for s in ("1f1b", "zero_bubble", "zbv"))
+    assert zb.memory == one.memory
+    assert zbv.by_kind["pipeline bubble"] < zb.by_kind["pipeline bubble"] < one.by_kind["pipeline bubble"]
+    assert zbv.seconds < one.seconds and zb.seconds < one.seconds
+    last = max(one.memory)
+    logits = one.memory_parts["logits"]
+    vocabulary = 128256 * 4096 / 4 * (2 + 4 + 12 / 2)      # a rank's head: bf16, float32 gradients, state over dp 2
+    blocks = one.memory_parts["activations"] / 4            # one micro-batch's activations of a stage's 8 blocks
+    assert zbv.memory[0] == pytest.approx(one.memory[0] + vocabulary + logits, rel=1e-9)
+    assert zbv.memory[last] == pytest.approx(one.memory[last] - vocabulary - logits + 3 * blocks, rel=1e-9)
+    assert "zbv" in gnn.ScaleLayout(dp=2, pp=4, schedule="zbv").text()
 
 
 def test_selective_recomputation_sits_between_keeping_and_recomputing_everything():
@@ -165,6 +210,16 @@ def test_bad_arguments_name_themselves():
     plan = gnn.plan_at_scale(shape, gpus=8, global_batch=8)
     with pytest.raises(ValueError, match=r"ScalePlan.predict\(layout=\): this layout cannot run"):
         plan.predict(gnn.ScaleLayout(dp=4))
+    with pytest.raises(ValueError, match=r"schedule='zero_bubble' \(expected one of \('1f1b', 'zero_bubble', 'zbv'\);"
+                                         r" the zero-bubble ones over 2 or more stages, virtual=1\) with pp=1"):
+        plan.predict(gnn.ScaleLayout(dp=8, schedule="zero_bubble"))
+    with pytest.raises(ValueError, match=r"schedule='gpipe'"):
+        plan.predict(gnn.ScaleLayout(dp=4, pp=2, schedule="gpipe"))
+    four = gnn.TransformerShape(layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, seq=16)
+    assert gnn.ScaleLayout(dp=2, pp=2, virtual=2, schedule="zbv").problem(four, 4, 8, 8).endswith(
+        "with pp=2, virtual=2")
+    with pytest.raises(ValueError, match=r"zbv cuts 2 layers into 2 x pp=2 halves"):
+        plan.predict(gnn.ScaleLayout(dp=4, pp=2, schedule="zbv"))
 
 
 def test_the_losss_logits_copies_are_what_torchs_cross_entropy_holds():

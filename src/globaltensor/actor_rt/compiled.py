@@ -36,7 +36,7 @@ from .lower import lower
 from .program import Program
 from .optim import capturable_optimizers, hyper_parameters, live_keys
 from .runtime import Runtime
-from .schedules import SCHEDULES
+from ..schedules import SCHEDULES
 from .segments import plan_segments
 
 
@@ -403,7 +403,7 @@ def compile(fn: Callable, registers: Union[int, Callable] = 2, micro_batches: in
     each capturable run of a CUDA stream's tasks from a CUDA graph, captured per register slot
     (cuda_graphs.py; ``g.plan.segments`` says which runs, and why not the others); a GPU only.
     ``schedule``: with micro-batches over pipeline stages, the order of their forwards and backwards
-    -- ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"`` (schedules.py): each stage
+    -- ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"`` (globaltensor/schedules.py): each stage
     holds at most the micro-batches its schedule allows, enforced by the runtime's dependencies.
     """
     return CompiledFunction(fn, registers, micro_batches, bucket_bytes, warmup, timeline, measure_memory, streams,

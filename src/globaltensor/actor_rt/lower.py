@@ -310,7 +310,7 @@ def lower(cap: Captured, *, micro_batches: int = 1, registers: Union[int, Callab
     """The task graph of ``cap`` for the ranks this process holds.
 
     ``schedule``: the order of the micro-batches' forwards and backwards over the pipeline's stages
-    (schedules.py); other than ``"gpipe"``, each stage's bound on the micro-batches it holds is
+    (globaltensor/schedules.py); other than ``"gpipe"``, each stage's bound on the micro-batches it holds is
     enforced by dependencies, whatever the streams. ``exchange``: in a process world, the world's
     all-gather of an object, by which the processes agree on the pipeline's stages.
 

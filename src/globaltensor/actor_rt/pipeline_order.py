@@ -1,7 +1,7 @@
 """A pipeline schedule applied to a lowered step (lower.py): which unit each task belongs to, the key
 that orders it (its unit's start on the schedule's timeline), the credits that hold each stage to
 its bound on the micro-batches in flight, and how far communication_first may move a task.
-The schedules themselves are schedules.py; the stages and units, pipeline_units.py."""
+The schedules themselves are globaltensor/schedules.py; the stages and units, pipeline_units.py."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
@@ -10,12 +10,12 @@ from .fuse_views import is_layout_view
 from .graph import Captured
 from .pipeline_units import PipelineLayout, cannot_schedule, layout as pipeline_layout, split_weight_gradients
 from .program import TaskSpec
-from .schedules import chunk_count, in_flight, sequences, sizes, splits_weight_gradients, stage_of, timeline
+from ..schedules import chunk_count, in_flight, sequences, sizes, splits_weight_gradients, stage_of, timeline
 
 
 class PipelineSchedule:
     """A pipeline schedule over the step's stages: each per-micro-batch op's unit, the units' starts
-    (schedules.py), which order the tasks, and the credits that bound each stage."""
+    (globaltensor/schedules.py), which order the tasks, and the credits that bound each stage."""
 
     def __init__(self, name: str, cap: Captured, nodes: List[int], m: int, last_backward: int, rank_of,
                  exchange: Optional[Callable], rank: Optional[int]):
@@ -90,7 +90,7 @@ def _check_schedule(name: str, p: int, chunks: int, m: int) -> None:
         cannot_schedule(name, f"the model runs {chunks} chunks on {p} stages, and zbv takes {chunk_count(name, p, 2)}: "
                               f"two halves per stage, down the stages and back up "
                               f"(pipeline_stages(..., chunks_per_stage=2, v_shape=True))")
-    if m < p and name != "zbv":            # zbv's simulation takes any number (schedules.py)
+    if m < p and name != "zbv":            # zbv's simulation takes any number (globaltensor/schedules.py)
         cannot_schedule(name, f"{m} micro-batches for {p} stages; it needs at least as many micro-batches as stages")
     if name == "interleaved_1f1b" and m % p:
         cannot_schedule(name, f"{m} micro-batches on {p} stages; it runs the micro-batches in rounds of {p}, so "

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_unflatten
 
 from .graph import Captured, Node
 from .program import CompileError
-from .schedules import chunk_count, stage_of
+from ..schedules import chunk_count, stage_of
 
 
 @dataclass

@@ -6,7 +6,8 @@ first pipeline stage (which holds the most micro-batches' activations) and one o
 also computes the head) -- with the world's size a parameter. Megatron-LM's layout is assumed:
 tensor parallelism within a node with sequence parallelism (the activations between blocks split
 over the tensor ranks), context parallelism as ring attention, experts over ``ep`` of the data
-ranks, 1F1B pipelining (interleaved over ``virtual`` chunks a stage), mixed precision (bf16
+ranks, 1F1B pipelining (interleaved over ``virtual`` chunks a stage) or this library's zero-bubble
+schedules (``schedule="zero_bubble"``: ZB-H1; ``"zbv"``: ZB-V), mixed precision (bf16
 weights, activations and gradient reductions; float32 gradients, master weights and Adam's
 moments), the optimizer state split over the data and context ranks (``zero=1``: Megatron's
 distributed optimizer) or, with ``zero=3``, the weights and gradients too (FSDP).
@@ -25,20 +26,25 @@ Per micro-batch and block, on a rank (``tok = micro_batch · seq / cp`` tokens):
 - FSDP: each block's weights gathered forward and backward and its gradients reduce-scattered,
   every micro-batch, hidden under the block's compute.
 
-A stage's micro-batch is its blocks' sum and the head's (the slowest stage: the last); the step is
-``m + (pp - 1) / virtual`` of them (``m`` micro-batches a step: 1F1B's bubble), the sends between
+A stage's micro-batch is its blocks' sum and the head's (the slowest stage: the last; under zbv
+the first, which runs the last chunk); the step is ``m`` of them plus the bubble -- 1F1B's
+``(pp - 1) / virtual``; a zero-bubble schedule's as globaltensor/schedules.py's simulation of its
+order gives it at unit durations (forward, input gradient and weight gradient alike: ZB-H1
+``2 (pp - 1) / 3``, zbv a fraction of that) -- the sends between
 stages, the data-parallel reduce-scatter of the gradients and all-gather of the weights -- hidden
 under the last micro-batch's backward and the first one's forward where the device overlaps -- and
 the optimizer's update of the rank's shard.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
 
+from ... import schedules
 from .devices import Device
 from .predict import Prediction
 from .transformer_shape import TransformerShape
@@ -53,6 +59,8 @@ MASTER_BYTES = 12                # float32 master weights and Adam's two moments
 # rank the same for this library's vocabulary-split loss (tests/ops/test_loss.py)
 LOSS_LOGITS_COPIES = 3
 RECOMPUTE = ("none", "selective", "full")
+#: the pipeline schedules a layout may take: 1F1B (interleaved with ``virtual`` > 1) and the zero-bubble ones
+SCHEDULES = ("1f1b", "zero_bubble", "zbv")
 
 
 @dataclass(frozen=True)
@@ -61,9 +69,10 @@ class ScaleLayout:
     the experts), ``micro_batch`` sequences a micro-batch, ``virtual`` chunks a pipeline stage,
     ``recompute`` ("none"; "selective": torchtitan's op-level policy, every other matmul's output and
     attention's kept, the rest recomputed; "full": every block's activations recomputed in its
-    backward) and
+    backward),
     ``zero`` (1: the optimizer state split over the data and context ranks; 3: weights and
-    gradients too)."""
+    gradients too) and the pipeline's ``schedule`` (:data:`SCHEDULES`; the zero-bubble ones with
+    ``virtual`` 1 -- zbv's two halves a stage are its own)."""
     dp: int
     tp: int = 1
     pp: int = 1
@@ -73,6 +82,7 @@ class ScaleLayout:
     virtual: int = 1
     recompute: str = "none"
     zero: int = 1
+    schedule: str = "1f1b"
 
     @property
     def gpus(self) -> int:
@@ -97,6 +107,11 @@ class ScaleLayout:
             return f"tp={self.tp} is not within a node of {per_node} or does not divide {shape.heads} heads"
         if self.pp * self.virtual > shape.layers or self.virtual > 1 and self.pp == 1:
             return f"pp={self.pp} x virtual={self.virtual} chunks for {shape.layers} layers"
+        if self.schedule not in SCHEDULES or self.schedule != "1f1b" and (self.pp == 1 or self.virtual > 1):
+            return (f"schedule={self.schedule!r} (expected one of {SCHEDULES}; the zero-bubble ones over 2 or more "
+                    f"stages, virtual=1) with pp={self.pp}, virtual={self.virtual}")
+        if self.schedule == "zbv" and 2 * self.pp > shape.layers:
+            return f"zbv cuts {shape.layers} layers into 2 x pp={self.pp} halves"
         if self.cp > 1 and shape.seq % (2 * self.cp):
             return f"cp={self.cp} does not split {shape.seq} positions into balanced halves"
         if self.ep > 1 and (not shape.experts or shape.experts % self.ep or (self.dp * self.cp) % self.ep):
@@ -112,7 +127,8 @@ class ScaleLayout:
     def text(self) -> str:
         return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
                 + f", micro-batch {self.micro_batch}" + (f", {self.virtual} chunks a stage" if self.virtual > 1 else "")
-                + (f", {self.recompute} recompute" if self.recompute != "none" else "") + (", FSDP" if self.zero == 3 else ""))
+                + (f", {self.recompute} recompute" if self.recompute != "none" else "") + (", FSDP" if self.zero == 3 else "")
+                + (f", {self.schedule}" if self.schedule != "1f1b" else ""))
 
 
 class _Costs:
@@ -211,15 +227,42 @@ def _head(shape: TransformerShape, lay: ScaleLayout, device: Device) -> _Costs:
     return c
 
 
-def _rank_params(shape: TransformerShape, lay: ScaleLayout, stage_layers: int, moe_fraction: float) -> float:
+def _rank_params(shape: TransformerShape, lay: ScaleLayout, stage_layers: int, moe_fraction: float,
+                 vocabularies: int = 1) -> float:
     """The weights a rank of a stage holds (before ZeRO-3's split): its blocks over the tensor ranks
-    (the experts over the expert ranks too), and the embedding or the head."""
+    (the experts over the expert ranks too), and ``vocabularies`` of the embedding and the head."""
     dense = shape.layer_params(False) * stage_layers * (1 - moe_fraction)
     moe = 0.0
     if moe_fraction:
         expert_weights = shape.experts * shape.mlp_params(shape.expert_ffn)
         moe = (shape.layer_params(True) - expert_weights + expert_weights / lay.ep) * stage_layers * moe_fraction
-    return (dense + moe) / lay.tp + shape.vocab * shape.hidden / lay.tp
+    return (dense + moe) / lay.tp + vocabularies * shape.vocab * shape.hidden / lay.tp
+
+
+#: a zero-bubble schedule's order repeats every ``2 pp`` micro-batches from ``4 pp`` on (its steady state,
+#: between the warm-up and the drain), so its bubble is simulated over ``4 pp + (m - 4 pp) mod 2 pp`` of
+#: them: the whole run's bubble, at a cost that does not grow with ``m`` (checked against the whole run
+#: at 2-16 stages up to 12 pp micro-batches; tests/nn/test_plan_at_scale.py)
+STEADY_FROM, PERIOD = 4, 2
+
+
+def bubble_steps(lay: ScaleLayout, m: int) -> float:
+    """The pipeline's bubble in micro-batches of a stage's work: 1F1B's ``(pp - 1) / virtual``, a
+    zero-bubble schedule's from the simulation of its order at unit durations (schedules.py)."""
+    if lay.pp == 1:
+        return 0.0
+    if lay.schedule == "1f1b":
+        return (lay.pp - 1) / lay.virtual
+    steady = STEADY_FROM * lay.pp
+    return _simulated_bubble_steps(lay.schedule, lay.pp, m if m <= steady else steady + (m - steady) % (PERIOD * lay.pp))
+
+
+@functools.lru_cache(maxsize=None)
+def _simulated_bubble_steps(schedule: str, p: int, m: int) -> float:
+    v = 2 if schedule == "zbv" else 1
+    chunks = schedules.chunk_count(schedule, p, v)
+    idle = schedules.bubble(schedules.sequences(schedule, p, v, m), chunks, True, schedules.sizes(schedule, p, chunks))
+    return idle / (1.0 - idle) * m
 
 
 def activations_per_block(shape: TransformerShape, lay: ScaleLayout) -> float:
@@ -245,7 +288,9 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
     last stage's first rank, ``by_kind`` the step's seconds by kind on the last stage."""
     m = lay.micro_batches(global_batch)
-    stage_layers = math.ceil(shape.layers / lay.pp)
+    zbv = lay.schedule == "zbv"
+    # zbv: two halves a stage, the first stage's holding the embedding, the head and the loss
+    stage_layers = 2 * math.ceil(shape.layers / (2 * lay.pp)) if zbv else math.ceil(shape.layers / lay.pp)
     moe_fraction = shape.moe_layers / shape.layers
     head = _head(shape, lay, device)
     parts = [(_block(shape, lay, device, False), stage_layers * (1 - moe_fraction)), (head, 1)]
@@ -256,14 +301,16 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
         for k, v in costs.by_kind.items():
             stage[k] = stage.get(k, 0.0) + v * count
     micro = sum(costs.busy() * count for costs, count in parts)
-    steps = m + (lay.pp - 1) / lay.virtual                    # 1F1B: the micro-batches and the bubble
+    steps = m + bubble_steps(lay, m)
     by_kind = {k: v * m for k, v in stage.items()}
     by_kind["pipeline bubble"] = (steps - m) * micro
     c = _Costs(device, shape.dtype)
     item = shape.dtype.itemsize
     boundary = lay.micro_batch * shape.seq // lay.cp * shape.hidden * item / lay.tp
-    by_kind["pipeline sends"] = 2 * m * lay.virtual * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
-    params = _rank_params(shape, lay, stage_layers, moe_fraction)
+    chunks = 2 if zbv else lay.virtual
+    by_kind["pipeline sends"] = 2 * m * chunks * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
+    ends = (2, 0) if zbv else (1, 1)          # the vocabularies of the first stage and the last
+    params = _rank_params(shape, lay, stage_layers, moe_fraction, max(ends))
     shards = lay.dp * lay.cp
     inside = lay.gpus <= device.per_node
     data = 0.0
@@ -279,17 +326,22 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     # Gathered per use, the weights of a block and the head are gathered at once (the backward's
     # start: the head's, the last block's prefetched), and their gradients whole until their
     # reduce-scatter.
-    held = params / shards if lay.gathers_per_use else params
-    state = held * (item + GRAD_BYTES) + params / shards * MASTER_BYTES
+
+    def state_of(weights: float) -> float:
+        held = weights / shards if lay.gathers_per_use else weights
+        return held * (item + GRAD_BYTES) + weights / shards * MASTER_BYTES
+    state = state_of(params)
     gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES) if lay.gathers_per_use else 0.0
-    # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
-    # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one)
+    # the first stage holds 1F1B's warm-up (ZB-H1's too), pp micro-batches -- interleaved, pp + (pp - 1) / virtual
+    # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one);
+    # the last one. zbv: every stage pp.
     in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
     per_block = activations_per_block(shape, lay)
     recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute != "none" else 0.0
     logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * LOSS_LOGITS_COPIES
-    first = state + gathered + stage_layers * per_block * in_flight + recomputed
-    last = state + gathered + stage_layers * per_block + recomputed + logits
+    first = state + gathered + stage_layers * per_block * in_flight + recomputed + (logits if zbv else 0.0)
+    last = (state_of(_rank_params(shape, lay, stage_layers, moe_fraction, ends[1])) + gathered
+            + stage_layers * per_block * (in_flight if zbv else 1) + recomputed + (0.0 if zbv else logits))
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))

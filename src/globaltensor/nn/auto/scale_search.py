@@ -11,7 +11,8 @@ memory is kept:
 - tensor parallelism 1, 2, 4 or 8 (within a node, dividing the heads);
 - context parallelism 1 to 16 (ring attention over balanced halves of the sequence);
 - pipeline parallelism over 1 to 64 stages (stages of whole blocks: the slowest has
-  ``ceil(layers / pp)``), non-interleaved or interleaved over 2, 4 or 8 chunks a stage;
+  ``ceil(layers / pp)``), 1F1B non-interleaved or interleaved over 2, 4 or 8 chunks a stage, or a
+  zero-bubble schedule (ZB-H1, or zbv: two halves a stage in a V);
 - expert parallelism over the divisors of the experts that divide the data ranks (MoE shapes);
 - data parallelism over the rest, ZeRO-1 or FSDP; micro-batches of 1, 2, 4 or 8 sequences;
   activations kept, selectively recomputed (torchtitan's op-level policy) or fully recomputed.
@@ -24,7 +25,7 @@ from typing import List, Optional, Tuple
 
 from .devices import Device, device_named
 from .predict import Prediction
-from .scale_model import RECOMPUTE, ScaleLayout, predict_scale
+from .scale_model import RECOMPUTE, SCHEDULES, ScaleLayout, predict_scale
 from .transformer_shape import TransformerShape
 
 TENSOR = (1, 2, 4, 8)
@@ -82,9 +83,10 @@ def layouts(shape: TransformerShape, gpus: int, global_batch: int, per_node: int
             continue
         dp = gpus // (tp * cp * pp)
         experts = [e for e in range(1, shape.experts + 1) if shape.experts % e == 0 and (dp * cp) % e == 0] or [1]
-        for ep, mb, virtual, recompute, zero in itertools.product(experts, MICRO_BATCHES,
-                                                                 VIRTUAL if pp > 1 else (1,), RECOMPUTE, (1, 3)):
-            lay = ScaleLayout(dp, tp, pp, cp, ep, mb, virtual, recompute, zero)
+        pipelines = [(v, "1f1b") for v in VIRTUAL] + [(1, s) for s in SCHEDULES if s != "1f1b"] if pp > 1 else [(1, "1f1b")]
+        for ep, mb, (virtual, schedule), recompute, zero in itertools.product(experts, MICRO_BATCHES, pipelines,
+                                                                             RECOMPUTE, (1, 3)):
+            lay = ScaleLayout(dp, tp, pp, cp, ep, mb, virtual, recompute, zero, schedule)
             if lay.problem(shape, gpus, global_batch, per_node) is None:
                 yield lay
 
