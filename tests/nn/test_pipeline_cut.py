@@ -83,7 +83,8 @@ def test_sizes_given_are_taken_or_refused():
         chunk_sizes([1, 1, 3], layers, [], 2)
     with pytest.raises(ValueError, match=r"ints >= 1\), got \[0, 5\]"):
         chunk_sizes([0, 5], layers, [], 2)
-    with pytest.raises(ValueError, match=r"expected one of \('even', 'params'\) .* got 'flops'"):
+    with pytest.raises(ValueError, match=r"expected one of \('even', 'params'\) or a list of layers per chunk "
+                                         r"\(ints >= 1\), got 'flops'"):
         chunk_sizes("flops", layers, [], 2)
     with pytest.raises(ValueError, match="got 2"):
         chunk_sizes(2, layers, [], 2)

@@ -48,7 +48,6 @@ def chunk_sizes(cut: CutLike, layers: List[nn.Module], tail: List[nn.Module], ch
             return [size + (c < extra) for c in range(chunks)]
         if cut == "params":
             return balanced(costs, sum(map(matmul_weights, tail)), chunks)
-        raise ValueError(f"pipeline_stages(cut=): expected one of {CUTS} or a list of layers per chunk, got {cut!r}")
     sizes = list(cut) if isinstance(cut, (list, tuple)) else None
     if sizes is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
         raise ValueError(f"pipeline_stages(cut=): expected one of {CUTS} or a list of layers per chunk (ints >= 1), "
