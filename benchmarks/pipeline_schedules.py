@@ -16,8 +16,8 @@ mean-squared loss; every schedule's losses must equal GPipe's. Per schedule:
   GPipe and 1F1B, about that over ``v`` interleaved, less for the zero-bubble schedules);
 - activations: per stage, the most bytes its micro-batches' forward tasks held at once
   (``measure_memory=True``, the arguments aside), as a fraction of GPipe's; 1F1B's bound is
-  ``(p - s) / m`` of GPipe's plus one micro-batch, zbv's ``p / m`` on every stage plus one (of GPipe's
-  on zbv's cut).
+  ``(p - s) / m`` of GPipe's plus one micro-batch, the zero-bubble schedules' ``p / m`` on every stage
+  plus one (zbv's of GPipe's on zbv's cut).
 
 With ``--cuts``: the cut's effect. The same chain with a head of ``HEAD_WIDE`` outputs (the weights
 of two blocks, as a large vocabulary's head outweighs a layer), under 1F1B, cut with as many blocks
@@ -209,8 +209,8 @@ def report(p: int, where: str, results: dict) -> str:
         ideal = _ideal(schedule, p, m)
         base = r.get("gpipe activations", gpipe["activations"])
         act = [r["activations"].get(s, 0) / max(base.get(s, 1), 1) for s in range(p)]
-        bound = ([(p - s + 1) / m for s in range(p)] if schedule in ("1f1b", "zero_bubble") else
-                 [(p + 1) / m] * p if schedule == "zbv" else None)
+        bound = ([(p - s + 1) / m for s in range(p)] if schedule == "1f1b" else
+                 [(p + 1) / m] * p if schedule in ("zero_bubble", "zbv") else None)
         rows.append([m, schedule, f"{r['step'] * 1e3:.1f} ms", f"{r['step'] / gpipe['step']:.2f}x",
                      f"{r['bubble']:.3f}", f"{ideal:.3f}",
                      " ".join(f"{a:.2f}" for a in act),

@@ -25,9 +25,13 @@ lower.py enforces with credits.
   backward; it holds at most ``p - s``.
 - ``interleaved_1f1b``: ``v`` chunks per stage, Megatron-LM's order (forwards in rounds of ``p``
   micro-batches per chunk); the bubble shrinks by ``v``, for ``v`` times the transfers.
-- ``zero_bubble``: 1F1B's memory with the weight gradients deferred into the bubbles (ZB-H1):
-  each stage runs a ready input gradient first, else a forward while it holds fewer than
-  ``p - s`` micro-batches, else its oldest deferred weight gradient.
+- ``zero_bubble``: ZB-H1 (Qi et al. 2024), 1F1B's peak memory with the weight gradients deferred
+  into the bubbles: stage ``s`` holds at most ``p - s`` micro-batches whole (forward to input
+  gradient), as 1F1B, and at most ``p`` in all -- the others only what their weight gradients
+  read -- so the later stages, whose input gradients the earlier ones wait for, run them at once
+  and defer the weight gradients. Each stage runs a forward while both bounds allow, else a ready
+  input gradient, else its oldest deferred weight gradient: at unit durations the bubble is the
+  paper's ``(p - 1)(F + B - W)``, a third of 1F1B's.
 - ``zbv``: the zero-bubble V schedule (ZB-V, Qi et al. 2024): the model cut into ``2p`` halves of a
   stage's share, half ``k`` on stage ``k`` going down and on stage ``2p - 1 - k`` coming back, so the
   first stage also holds the last chunk and the loss (the last stage's two halves, with no transfer
@@ -100,7 +104,7 @@ def sequences(schedule: str, p: int, v: int, m: int) -> List[List[Unit]]:
         chunks = chunk_count(schedule, p, 2)
         return _zero_bubble([sorted({s, 2 * p - 2 - s}) for s in range(p)], sizes(schedule, p, chunks), m,
                             [2.0 * p] * p)
-    return _zero_bubble([[s] for s in range(p)], [1.0] * p, m, [float(p - s) for s in range(p)])
+    return _zero_bubble([[s] for s in range(p)], [1.0] * p, m, [float(p)] * p, [p - s for s in range(p)])
 
 
 def _interleaved(s: int, p: int, v: int, m: int) -> List[Unit]:
@@ -120,14 +124,17 @@ def _interleaved(s: int, p: int, v: int, m: int) -> List[Unit]:
     return seq + [unit("B", k) for k in range(total - ahead, total)]
 
 
-def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[float]) -> List[List[Unit]]:
+def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[float],
+                 whole: Optional[List[int]] = None) -> List[List[Unit]]:
     """A zero-bubble schedule by simulation (stage ``s`` runs chunks ``mine[s]``, ascending; chunk ``c``'s
     units last ``size[c]``): whenever a stage is free it starts a ready input gradient (the oldest
     micro-batch's, the later chunk's first), else a ready forward of a chunk of its other than its
     first (room for it was promised), else one of its first chunk if what it holds and has promised,
     with this micro-batch's chunks here, stays within ``bound[s]`` (in chunk sizes; a micro-batch is
-    held from its forward to its weight gradient), else its oldest deferred weight gradient. ZB-H1:
-    one chunk per stage, bound ``p - s``; ZB-V: ``zbv``'s chunks, bound ``2p``."""
+    held from its forward to its weight gradient), else its oldest deferred weight gradient. With
+    ``whole`` (one chunk per stage), a forward comes first, while the stage holds fewer than
+    ``whole[s]`` micro-batches from forward to input gradient. ZB-H1: one chunk per stage, bound
+    ``p``, whole ``p - s``; ZB-V: ``zbv``'s chunks, bound ``2p``."""
     p, chunks = len(mine), len(size)
     entering = [sum(size[c] for c in cs) for cs in mine]      # what a micro-batch entering a stage promises
     end: Dict[Unit, float] = {}
@@ -140,8 +147,12 @@ def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[f
         now = min(free)
         started = False
         for s in (i for i in range(p) if free[i] == now):
-            choice = _zero_bubble_choice(mine[s], chunks, m, now, end, next_f, next_b, pending_w[s],
-                                         bound[s] - promised[s] >= entering[s])
+            room = bound[s] - promised[s] >= entering[s]
+            if whole is None:
+                choice = _zero_bubble_choice(mine[s], chunks, m, now, end, next_f, next_b, pending_w[s], room)
+            else:
+                choice = _forward_first_choice(mine[s][0], chunks, m, now, end, next_f, next_b, pending_w[s],
+                                               room and next_f[mine[s][0]] - next_b[mine[s][0]] < whole[s])
             if choice is None:
                 continue
             kind, c, j = choice
@@ -178,6 +189,15 @@ def _zero_bubble_choice(mine, chunks, m, now, end, next_f, next_b, pending_w, ha
     first = mine[0]
     if next_f[first] < m and has_room and ready(("F", first, next_f[first])):
         return ("F", first, next_f[first])
+    return pending_w[0] if pending_w else None
+
+
+def _forward_first_choice(c, chunks, m, now, end, next_f, next_b, pending_w, has_room: bool):
+    """ZB-H1's choice on the stage of chunk ``c``: a forward where there is room, else an input gradient,
+    else the oldest deferred weight gradient."""
+    for kind, j, room in (("F", next_f[c], has_room), ("B", next_b[c], True)):
+        if j < m and room and all(end.get(d, float("inf")) <= now for d in _needs((kind, c, j), chunks, True)):
+            return (kind, c, j)
     return pending_w[0] if pending_w else None
 
 

@@ -40,8 +40,12 @@ def test_every_schedule_runs_every_unit_once_in_an_order_that_can_run(p, m, v, n
     bounds = [sch.in_flight(q, split) for q in seqs]
     if name == "gpipe":
         assert bounds == [m * v] * p
-    elif name in ("1f1b", "zero_bubble"):
+    elif name == "1f1b":
         assert bounds == [min(p - s, m) for s in range(p)]
+    elif name == "zero_bubble":
+        # ZB-H1: p - s micro-batches whole (forward to input gradient), as 1F1B; p in all on every stage
+        assert bounds == [min(p, m)] * p
+        assert [sch.in_flight(q, False) for q in seqs] == [min(p - s, m) for s in range(p)]
     elif name == "zbv":
         # p micro-batches on every stage, as 1F1B's first: 2p halves, or p turning chunks on the last
         assert bounds == [min(2 * p, 2 * m)] * (p - 1) + [min(p, m)]
@@ -49,15 +53,16 @@ def test_every_schedule_runs_every_unit_once_in_an_order_that_can_run(p, m, v, n
 
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16)])
 def test_the_bubbles_are_the_schedules(p, m):
-    """At unit durations: GPipe's and 1F1B's bubble is (p - 1) / (m + p - 1); zero bubble's is less;
-    interleaving 2 chunks per stage less again; zbv's less than a third of 1F1B's (at 1F1B's memory)."""
+    """At unit durations: GPipe's and 1F1B's bubble is (p - 1) / (m + p - 1); ZB-H1's the paper's
+    (p - 1)(F + B - W) over each stage's 3m units of work and it, a third of 1F1B's time; interleaving 2
+    chunks per stage less than 1F1B's; zbv's less than a third of 1F1B's (at 1F1B's first stage's memory)."""
     def bubble(name, v=1):
         chunks = sch.chunk_count(name, p, v)
         return sch.bubble(sch.sequences(name, p, v, m), chunks, sch.splits_weight_gradients(name),
                           sch.sizes(name, p, chunks))
     ideal = (p - 1) / (m + p - 1)
     assert bubble("gpipe") == pytest.approx(ideal) and bubble("1f1b") == pytest.approx(ideal)
-    assert bubble("zero_bubble") < ideal
+    assert bubble("zero_bubble") == pytest.approx((p - 1) / (3 * m + p - 1))
     assert bubble("interleaved_1f1b", v=2) < ideal
     assert bubble("zbv", v=2) < min(bubble("zero_bubble"), bubble("interleaved_1f1b", v=2), ideal / 3)
 
@@ -215,6 +220,16 @@ def test_1f1b_credits_are_dependencies():
     tasks = _two_stages("1f1b", 4).plan.tasks
     waits = {tasks[d].unit for t in tasks if t.unit == ("F", 0, 2) for d, _ in t.deps}
     assert ("B", 0, 0) in waits, waits
+
+
+def test_zero_bubbles_two_bounds_are_dependencies():
+    """ZB-H1 on 2 stages: the last stage holds one micro-batch whole (its second forward waits for its
+    first input gradient) and two in all (its third forward waits for its first weight gradient)."""
+    tasks = _two_stages("zero_bubble", 4).plan.tasks
+
+    def waits(unit):
+        return {tasks[d].unit for t in tasks if t.unit == unit for d, _ in t.deps}
+    assert ("B", 1, 0) in waits(("F", 1, 1)) and ("W", 1, 0) in waits(("F", 1, 2))
 
 
 @pytest.mark.parametrize("name", sch.SCHEDULES)

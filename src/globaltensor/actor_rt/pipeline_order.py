@@ -49,26 +49,29 @@ class PipelineSchedule:
         return stage_of(self.name, chunk, len(self.layout.stages))
 
     def credits(self, tasks: List[TaskSpec], position: Dict[int, int]) -> None:
-        """Each stage's bound K on the micro-batches it holds, as credits: its i-th forward waits for
-        the (i - K)-th unit that gives one back -- a backward, or a weight gradient when split. (A
-        receive stays where its sender's unit puts it, which both sides agree on: the messages
+        """Each stage's bounds on the micro-batches it holds, as credits: its i-th forward waits for the
+        (i - K)-th backward, K the most it holds whole (forward to input gradient); where the weight
+        gradients are split, also for the (i - K')-th weight gradient, K' the most it holds in all.
+        (A receive stays where its sender's unit puts it, which both sides agree on: the messages
         between two processes must come in the same order on both.)"""
-        release = "W" if self.split else "B"
         for seq in self.sequences:
-            bound = in_flight(seq, self.split)
             forwards = [u for u in seq if u[0] == "F"]
-            releases = [u for u in seq if u[0] == release]
-            for i in range(bound, len(forwards)):
-                _, chunk, mb = releases[i - bound]
-                freed = self.unit_tasks.get((release, chunk, mb), []) + \
-                    (self.unit_tasks.get(("B", chunk, mb), []) if self.split else [])
-                _credit(tasks, self.unit_tasks.get(forwards[i], []), freed, position)
+            for release in ("B", "W") if self.split else ("B",):
+                bound = in_flight(seq, release == "W")
+                releases = [u for u in seq if u[0] == release]
+                for i in range(bound, len(forwards)):
+                    _, chunk, mb = releases[i - bound]
+                    freed = self.unit_tasks.get((release, chunk, mb), []) + \
+                        (self.unit_tasks.get(("B", chunk, mb), []) if release == "W" else [])
+                    _credit(tasks, self.unit_tasks.get(forwards[i], []), freed, position)
 
     def describe(self) -> str:
         stages = ", ".join(str(list(r)) for r in self.layout.stages)
         bounds = [in_flight(q, self.split) for q in self.sequences]
+        whole = [in_flight(q, False) for q in self.sequences]
         return (f"{self.name} over {len(self.layout.stages)} stages ({stages}), {self.layout.chunks} chunks, "
-                f"{self.m} micro-batches; micro-batches held per stage at most {bounds}")
+                f"{self.m} micro-batches; micro-batches held per stage at most {bounds}"
+                + (f", whole (forward to input gradient) at most {whole}" if self.split else ""))
 
 
 def unit_ends(tasks: List[TaskSpec], order: List[int]) -> Dict[int, int]:

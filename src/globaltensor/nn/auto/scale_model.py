@@ -30,7 +30,7 @@ A stage's micro-batch is its blocks' sum and the head's (the slowest stage: the 
 the first, which runs the last chunk); the step is ``m`` of them plus the bubble -- 1F1B's
 ``(pp - 1) / virtual``; a zero-bubble schedule's as globaltensor/schedules.py's simulation of its
 order gives it at unit durations (forward, input gradient and weight gradient alike: ZB-H1
-``2 (pp - 1) / 3``, zbv a fraction of that) -- the sends between
+``(pp - 1) / 3``, zbv less) -- the sends between
 stages, the data-parallel reduce-scatter of the gradients and all-gather of the weights -- hidden
 under the last micro-batch's backward and the first one's forward where the device overlaps -- and
 the optimizer's update of the rank's shard.
@@ -332,16 +332,18 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
         return held * (item + GRAD_BYTES) + weights / shards * MASTER_BYTES
     state = state_of(params)
     gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES) if lay.gathers_per_use else 0.0
-    # the first stage holds 1F1B's warm-up (ZB-H1's too), pp micro-batches -- interleaved, pp + (pp - 1) / virtual
+    # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
     # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one);
-    # the last one. zbv: every stage pp.
+    # the last one. The zero-bubble schedules: pp on every stage (ZB-H1's later stages hold some only for
+    # their weight gradients, which read the linears' inputs and output gradients: counted whole).
+    every = lay.schedule != "1f1b"
     in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
     per_block = activations_per_block(shape, lay)
     recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute != "none" else 0.0
     logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * LOSS_LOGITS_COPIES
     first = state + gathered + stage_layers * per_block * in_flight + recomputed + (logits if zbv else 0.0)
     last = (state_of(_rank_params(shape, lay, stage_layers, moe_fraction, ends[1])) + gathered
-            + stage_layers * per_block * (in_flight if zbv else 1) + recomputed + (0.0 if zbv else logits))
+            + stage_layers * per_block * (in_flight if every else 1) + recomputed + (0.0 if zbv else logits))
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
