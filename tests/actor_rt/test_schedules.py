@@ -53,9 +53,9 @@ def test_every_schedule_runs_every_unit_once_in_an_order_that_can_run(p, m, v, n
 
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16)])
 def test_the_bubbles_are_the_schedules(p, m):
-    """At unit durations: GPipe's and 1F1B's bubble is (p - 1) / (m + p - 1); ZB-H1's the paper's
-    (p - 1)(F + B - W) over each stage's 3m units of work and it, a third of 1F1B's time; interleaving 2
-    chunks per stage less than 1F1B's; zbv's less than a third of 1F1B's (at 1F1B's first stage's memory)."""
+    """At unit durations: GPipe's and 1F1B's bubble is (p - 1) / (m + p - 1); ZB-H1's the paper's, (p - 1)
+    (F + B - W) idle units beside each stage's 3m units of work, a third of 1F1B's idle time; interleaving
+    2 chunks per stage less than 1F1B's; zbv's less than a third of 1F1B's (at 1F1B's first stage's memory)."""
     def bubble(name, v=1):
         chunks = sch.chunk_count(name, p, v)
         return sch.bubble(sch.sequences(name, p, v, m), chunks, sch.splits_weight_gradients(name),

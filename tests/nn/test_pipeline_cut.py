@@ -1,6 +1,6 @@
 """pipeline_stages' cut (nn/pipeline_cut.py): the balanced cut is the best of every contiguous cut, by
-brute force; the even cut is today's; sizes given are checked; a module's cost is its weights that
-multiply, its embeddings left out."""
+brute force; the even cut (the default) gives the extra layers to the first chunks; sizes given are
+checked; a module's cost is its weights that multiply, its embeddings left out."""
 from __future__ import annotations
 
 import itertools

@@ -116,7 +116,7 @@ def test_hf_llama_cut_into_stages_trains_as_one_device(schedule, float64):
 
 @pytest.mark.parametrize("cut, held_by_head", [("params", [3]), ([1, 3], [1, 2, 3])], ids=["params", "sizes"])
 def test_hf_llama_with_a_heavy_head_cut_by_its_weights_trains_as_one_device(cut, held_by_head, float64):
-    """A vocabulary of 512 makes the head (16,384 weights) weigh 1.6 layers (10,304 each): cut by
+    """A vocabulary of 512 makes the head (16,384 weights) weigh 1.8 layers (9,280 each): cut by
     weights, the head's stage takes one layer of the four; cut by sizes given, as told."""
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, attn_implementation="sdpa", tie_word_embeddings=False)

@@ -323,14 +323,13 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     by_kind["data-parallel communication"] = data
     by_kind["optimizer"] = c.memory(params / shards * (GRAD_BYTES + 2 * MASTER_BYTES + item), 8)
     seconds = steps * micro + by_kind["pipeline sends"] + data + by_kind["optimizer"]
-    # Gathered per use, the weights of a block and the head are gathered at once (the backward's
-    # start: the head's, the last block's prefetched), and their gradients whole until their
-    # reduce-scatter.
-
     def state_of(weights: float) -> float:
         held = weights / shards if lay.gathers_per_use else weights
         return held * (item + GRAD_BYTES) + weights / shards * MASTER_BYTES
     state = state_of(params)
+    # Gathered per use, the weights of a block and the head are gathered at once (the backward's
+    # start: the head's, the last block's prefetched), and their gradients whole until their
+    # reduce-scatter.
     gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES) if lay.gathers_per_use else 0.0
     # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
     # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one);

@@ -83,7 +83,8 @@ def layouts(shape: TransformerShape, gpus: int, global_batch: int, per_node: int
             continue
         dp = gpus // (tp * cp * pp)
         experts = [e for e in range(1, shape.experts + 1) if shape.experts % e == 0 and (dp * cp) % e == 0] or [1]
-        pipelines = [(v, "1f1b") for v in VIRTUAL] + [(1, s) for s in SCHEDULES if s != "1f1b"] if pp > 1 else [(1, "1f1b")]
+        pipelines = ([(v, "1f1b") for v in VIRTUAL] + [(1, s) for s in SCHEDULES if s != "1f1b"]) if pp > 1 \
+            else [(1, "1f1b")]
         for ep, mb, (virtual, schedule), recompute, zero in itertools.product(experts, MICRO_BATCHES, pipelines,
                                                                              RECOMPUTE, (1, 3)):
             lay = ScaleLayout(dp, tp, pp, cp, ep, mb, virtual, recompute, zero, schedule)
