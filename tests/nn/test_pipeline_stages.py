@@ -91,50 +91,46 @@ def test_fsdp_and_sequence_parallel_stages_train_as_one_device(schedule, plan, b
         _train_gpt_in_stages(schedule, plan, batch_sbp)
 
 
+def _llama_loss(m, x, y):
+    logits = m(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _train_llama_in_stages(schedule: str, vocab: int, **cut):
+    """transformers' Llama (4 layers, hidden 32, a vocabulary of ``vocab``) cut into stages on [0, 1] and
+    [2, 3] by ``pipeline_stages(**cut)``, trained 3 steps under ``schedule`` beside one device; (the model,
+    the stages, pipeline_stages' answer)."""
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    reference = copy.deepcopy(model)
+    stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
+    held = gt.nn.pipeline_stages(model, stages, **cut)
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (8, 9), generator=gen) for _ in range(3)]
+    _train(model, reference, stages, _llama_loss, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids],
+           schedule, last=model.lm_head.weight.placement)
+    return model, stages, held
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zbv"])
 def test_hf_llama_cut_into_stages_trains_as_one_device(schedule, float64):
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa", tie_word_embeddings=False)
-
-    def loss_of(m, x, y):
-        logits = m(input_ids=x).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     with gt.simulate(4):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
-        reference = copy.deepcopy(model)
-        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
-        held = gt.nn.pipeline_stages(model, stages, **_cut(schedule))
+        model, stages, held = _train_llama_in_stages(schedule, 64, **_cut(schedule))
         head = 0 if schedule == "zbv" else 1
         assert held[head][-2:] == ["model.norm", "lm_head"], held
+        assert model.lm_head.weight.placement == stages[head]
         assert model.model.rotary_emb.inv_freq.placement == stages[0]        # no parameters: stays with the head
-        gen = torch.Generator().manual_seed(0)
-        ids = [torch.randint(0, 64, (8, 9), generator=gen) for _ in range(3)]
-        _train(model, reference, stages, loss_of, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids],
-               schedule, last=stages[head])
 
 
 @pytest.mark.parametrize("cut, held_by_head", [("params", [3]), ([1, 3], [1, 2, 3])], ids=["params", "sizes"])
 def test_hf_llama_with_a_heavy_head_cut_by_its_weights_trains_as_one_device(cut, held_by_head, float64):
     """A vocabulary of 512 makes the head (16,384 weights) weigh 1.8 layers (9,280 each): cut by
     weights, the head's stage takes one layer of the four; cut by sizes given, as told."""
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, attn_implementation="sdpa", tie_word_embeddings=False)
-
-    def loss_of(m, x, y):
-        logits = m(input_ids=x).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     with gt.simulate(4):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
-        reference = copy.deepcopy(model)
-        stages = [gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])]
-        held = gt.nn.pipeline_stages(model, stages, cut=cut)
+        _, _, held = _train_llama_in_stages("1f1b", 512, cut=cut)
         assert held[1] == [f"model.layers.{i}" for i in held_by_head] + ["model.norm", "lm_head"], held
-        gen = torch.Generator().manual_seed(0)
-        ids = [torch.randint(0, 512, (8, 9), generator=gen) for _ in range(3)]
-        _train(model, reference, stages, loss_of, [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids],
-               "1f1b")
 
 
 def test_what_pipeline_stages_refuses():
