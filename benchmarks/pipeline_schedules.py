@@ -194,10 +194,7 @@ def measure_simulated(p: int, quick: bool, rows: int = ROWS) -> dict:
 
 def _ideal(schedule: str, p: int, m: int) -> float:
     from globaltensor import schedules
-    v = CUTS.get(schedule, {}).get("chunks_per_stage", 1)
-    chunks = schedules.chunk_count(schedule, p, v)
-    return schedules.bubble(schedules.sequences(schedule, p, v, m), chunks, schedules.splits_weight_gradients(schedule),
-                            schedules.sizes(schedule, p, chunks))
+    return schedules.bubble(schedule, p, m, CUTS.get(schedule, {}).get("chunks_per_stage", 1))
 
 
 def report(p: int, where: str, results: dict) -> str:

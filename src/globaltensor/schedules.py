@@ -246,12 +246,13 @@ def in_flight(seq: List[Unit], split: bool) -> int:
     return peak
 
 
-def bubble(seqs: List[List[Unit]], chunks: int, split: bool, size: Optional[List[float]] = None) -> float:
-    """The idle fraction of the stages over the timeline's span, at unit durations (times each chunk's
-    ``size``)."""
+def bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The idle fraction of ``schedule``'s ``p`` stages over its timeline's span (``v`` chunks a stage, ``m``
+    micro-batches), at unit durations (times each chunk's size)."""
+    seqs, chunks, split = sequences(schedule, p, v, m), chunk_count(schedule, p, v), splits_weight_gradients(schedule)
+    size = sizes(schedule, p, chunks)
     start = timeline(seqs, chunks, split, size)
     durations = _durations(split)
-    size = size or [1.0] * chunks
     span = max(start[u] + durations[u[0]] * size[u[1]] for u in start)
     busy = sum(durations[u[0]] * size[u[1]] for u in start)
     return 1.0 - busy / (span * len(seqs))

@@ -57,9 +57,7 @@ def test_the_bubbles_are_the_schedules(p, m):
     (F + B - W) idle units beside each stage's 3m units of work, a third of 1F1B's idle time; interleaving
     2 chunks per stage less than 1F1B's; zbv's less than a third of 1F1B's (at 1F1B's first stage's memory)."""
     def bubble(name, v=1):
-        chunks = sch.chunk_count(name, p, v)
-        return sch.bubble(sch.sequences(name, p, v, m), chunks, sch.splits_weight_gradients(name),
-                          sch.sizes(name, p, chunks))
+        return sch.bubble(name, p, m, v)
     ideal = (p - 1) / (m + p - 1)
     assert bubble("gpipe") == pytest.approx(ideal) and bubble("1f1b") == pytest.approx(ideal)
     assert bubble("zero_bubble") == pytest.approx((p - 1) / (3 * m + p - 1))

@@ -119,9 +119,7 @@ def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation(
 def _exact_bubble_steps(schedule, p, m):
     """The schedule's bubble in micro-batches of a stage's work, simulated over all ``m`` micro-batches."""
     from globaltensor import schedules
-    v = 2 if schedule == "zbv" else 1
-    chunks = schedules.chunk_count(schedule, p, v)
-    idle = schedules.bubble(schedules.sequences(schedule, p, v, m), chunks, True, schedules.sizes(schedule, p, chunks))
+    idle = schedules.bubble(schedule, p, m)
     return idle / (1 - idle) * m
 
 

@@ -41,13 +41,13 @@ def matmul_weights(module: nn.Module) -> int:
 def chunk_sizes(cut: CutLike, layers: List[nn.Module], tail: List[nn.Module], chunks: int) -> List[int]:
     """The layers of each of ``chunks`` chunks, as ``cut`` says (module docstring); ``tail``: the modules
     that go with the last chunk."""
-    if isinstance(cut, str):
-        costs = [matmul_weights(m) for m in layers] if cut == "params" else []
-        if cut == "even" or (cut == "params" and not any(costs)):      # layers without weights: as many each
-            size, extra = divmod(len(layers), chunks)
-            return [size + (c < extra) for c in range(chunks)]
-        if cut == "params":
+    if cut == "params":
+        costs = [matmul_weights(m) for m in layers]
+        if any(costs):
             return balanced(costs, sum(map(matmul_weights, tail)), chunks)
+    if cut in CUTS:                     # "even", or layers without weights
+        size, extra = divmod(len(layers), chunks)
+        return [size + (c < extra) for c in range(chunks)]
     sizes = list(cut) if isinstance(cut, (list, tuple)) else None
     if sizes is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
         raise ValueError(f"pipeline_stages(cut=): expected one of {CUTS} or a list of layers per chunk (ints >= 1), "

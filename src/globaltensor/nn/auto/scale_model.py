@@ -259,9 +259,7 @@ def bubble_steps(lay: ScaleLayout, m: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _simulated_bubble_steps(schedule: str, p: int, m: int) -> float:
-    v = 2 if schedule == "zbv" else 1
-    chunks = schedules.chunk_count(schedule, p, v)
-    idle = schedules.bubble(schedules.sequences(schedule, p, v, m), chunks, True, schedules.sizes(schedule, p, chunks))
+    idle = schedules.bubble(schedule, p, m)
     return idle / (1.0 - idle) * m
 
 
