@@ -231,7 +231,8 @@ PIN_ONLY = (
     "tests/actor_rt/test_simulated_scale.py::",
     "tests/boxing/test_repeated_launched.py::",
     "tests/docs/test_docs_numbers.py::test_the_region_is_what_the_code_prints[explain]",
-    # torchtitan's models: installed at the pin only (Makefile: TITAN; test-compat leaves out test_titan.py)
+    # torchtitan's models: installed at the pin only (Makefile: TITAN; test-compat leaves out the tests
+    # that import them: NOT_TITAN)
     "tests/docs/test_docs_numbers.py::test_the_region_is_what_the_code_prints[titan-tp]",
     # DTensor's own collectives differ by release (its clipping reduces 4 bytes at 2.9.1, 84 at 2.13)
     "tests/docs/test_docs_numbers.py::test_the_region_is_what_the_code_prints[peer-plans]",

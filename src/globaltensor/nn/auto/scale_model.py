@@ -34,12 +34,18 @@ order gives it at unit durations (forward, input gradient and weight gradient al
 stages, the data-parallel reduce-scatter of the gradients and all-gather of the weights -- hidden
 under the last micro-batch's backward and the first one's forward where the device overlaps -- and
 the optimizer's update of the rank's shard.
+
+Memory, on a rank of the first stage and one of the last: the weights, gradients and optimizer
+state, FSDP's gathered block and head, the blocks' kept activations for the micro-batches the
+schedule holds (:func:`activations_per_block`), and the larger of two peaks that never meet -- a
+block's backward (:func:`block_backward_bytes`) and, on the stage with the head, the loss's
+(:func:`loss_bytes`, with the allocator's block of the bf16 logits: :func:`cached_logits_bytes`).
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
@@ -170,7 +176,7 @@ def _block(shape: TransformerShape, lay: ScaleLayout, device: Device, moe: bool)
     """One block's forward and backward for one micro-batch on one rank."""
     c = _Costs(device, shape.dtype)
     h, t, item = shape.hidden, lay.tp, shape.dtype.itemsize
-    tok = lay.micro_batch * shape.seq // lay.cp
+    tok = _tokens(shape, lay)
     kv = shape.kv_heads * shape.head_dim
     matrices = 3 if shape.gated else 2
     projections = 2 * tok * (h * (h + 2 * kv) + h * h) / t
@@ -221,7 +227,7 @@ def _matmuls(shape: TransformerShape, width: int) -> list:
 def _head(shape: TransformerShape, lay: ScaleLayout, device: Device) -> _Costs:
     """The head's matmul (vocabulary-parallel over the tensor ranks) and the loss, forward and backward."""
     c = _Costs(device, shape.dtype)
-    tok = lay.micro_batch * shape.seq // lay.cp
+    tok = _tokens(shape, lay)
     c.matmuls(3 * 2 * tok * shape.hidden * shape.vocab / lay.tp, 3)
     c.memory(3 * tok * shape.vocab / lay.tp * 4 * 2, 6)
     return c
@@ -263,22 +269,68 @@ def _simulated_bubble_steps(schedule: str, p: int, m: int) -> float:
     return idle / (1.0 - idle) * m
 
 
-def activations_per_block(shape: TransformerShape, lay: ScaleLayout) -> float:
-    """Bytes one block keeps for its backward per micro-batch on a rank: the inputs of its norms,
-    projections, attention and MLP (flash attention keeps no score matrix), split over the tensor
-    ranks (sequence parallelism) and the context ranks; with full recomputation only its input;
-    with torchtitan's selective policy its input, the outputs of its first, third, ... matmul (the
-    query, the value, the MLP's gate, its down projection) and attention's output."""
-    tok = lay.micro_batch * shape.seq // lay.cp
+def _kept_per_token(shape: TransformerShape, recompute: str) -> int:
+    """Elements a block keeps for its backward per token, before the tensor ranks' split. Kept all
+    ("none"), as torch's eager autograd keeps them for torchtitan's block (tests/nn/test_scale_memory.py
+    follows every storage of its step): the input and output of each norm (a fused norm keeps its
+    input and a number a row), the query, key and value, attention's output (flash attention keeps
+    no score matrix), the residual between attention and MLP, and the MLP's wide tensors -- a gated
+    MLP's gate and up projections, the gate's activation and their product (4), a plain MLP's first
+    projection and its activation (2). torchtitan's selective policy keeps the input, the outputs of
+    the first, third, ... matmul (the query, the value, the MLP's gate, its down projection) and
+    attention's output; full recomputation the input alone."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
-    width = shape.ffn if not shape.experts else (shape.top_k + shape.shared_experts) * shape.expert_ffn
-    if lay.recompute == "full":
-        kept = h
-    elif lay.recompute == "selective":
-        kept = 2 * h + sum(out for i, (out, _) in enumerate(_matmuls(shape, width)) if i % 2 == 0)
-    else:
-        kept = 4 * h + (h + 2 * kv) + 2 * h + (3 if shape.gated else 2) * width
-    return tok * kept * shape.dtype.itemsize / lay.tp
+    width = _mlp_width(shape)
+    if recompute == "full":
+        return h
+    if recompute == "selective":
+        return 2 * h + sum(out for i, (out, _) in enumerate(_matmuls(shape, width)) if i % 2 == 0)
+    return 6 * h + 2 * kv + (4 if shape.gated else 2) * width
+
+
+def _mlp_width(shape: TransformerShape) -> int:
+    """The MLP's width a token runs through: an MoE block's ``top_k`` routed and its shared experts'."""
+    return shape.ffn if not shape.experts else (shape.top_k + shape.shared_experts) * shape.expert_ffn
+
+
+def _tokens(shape: TransformerShape, lay: ScaleLayout) -> int:
+    """A micro-batch's tokens on a rank: its sequences, split over the context ranks."""
+    return lay.micro_batch * shape.seq // lay.cp
+
+
+def activations_per_block(shape: TransformerShape, lay: ScaleLayout) -> float:
+    """Bytes one block keeps for its backward per micro-batch on a rank (:func:`_kept_per_token`),
+    split over the tensor ranks (sequence parallelism, as Megatron-LM keeps them: a matmul's input
+    gathered over the tensor ranks is kept as its shard and gathered again for the backward) and
+    the context ranks."""
+    return _tokens(shape, lay) * _kept_per_token(shape, lay.recompute) * shape.dtype.itemsize / lay.tp
+
+
+def block_backward_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
+    """Bytes a block's backward holds beyond what the blocks keep, at its peak (the MLP's backward):
+    what it recomputes of its forward (all it did not keep), the gradients of two of the MLP's wide
+    tensors and of the block's output, and with tensor parallelism the MLP's input gathered whole."""
+    h = shape.hidden
+    sharded = (_kept_per_token(shape, "none") - _kept_per_token(shape, lay.recompute)
+               + 2 * _mlp_width(shape) + h)
+    return _tokens(shape, lay) * shape.dtype.itemsize * (sharded / lay.tp + (h if lay.tp > 1 else 0))
+
+
+def loss_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
+    """Bytes the loss's backward holds at its peak, beyond what the blocks keep: LOSS_LOGITS_COPIES
+    float32 logits (the vocabulary split over the tensor ranks), the head's input -- gathered whole
+    over the tensor ranks, as DTensor and this library keep it -- and the final norm's (its shard)."""
+    logits = shape.vocab / lay.tp * 4 * LOSS_LOGITS_COPIES
+    return _tokens(shape, lay) * (logits + shape.dtype.itemsize * shape.hidden * (1 + 1 / lay.tp))
+
+
+def cached_logits_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
+    """Bytes the device's caching allocator holds at the loss's peak beyond the tensors alive: the
+    block of the bf16 logits, freed before the backward (torchtitan's ``del pred``; the float32 cast
+    holds no reference) and too small for any of the float32 logits that follow, stays reserved --
+    a large tensor's block is a segment of its own, merged with no other. Published peaks are the
+    allocator's reserved memory (torchtitan logs ``max_reserved_gib``)."""
+    return _tokens(shape, lay) * shape.vocab / lay.tp * shape.dtype.itemsize
 
 
 def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int) -> Prediction:
@@ -304,7 +356,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     by_kind["pipeline bubble"] = (steps - m) * micro
     c = _Costs(device, shape.dtype)
     item = shape.dtype.itemsize
-    boundary = lay.micro_batch * shape.seq // lay.cp * shape.hidden * item / lay.tp
+    boundary = _tokens(shape, lay) * shape.hidden * item / lay.tp
     chunks = 2 if zbv else lay.virtual
     by_kind["pipeline sends"] = 2 * m * chunks * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
     ends = (2, 0) if zbv else (1, 1)          # the vocabularies of the first stage and the last
@@ -335,12 +387,13 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     # their weight gradients, which read the linears' inputs and output gradients: counted whole).
     every = lay.schedule != "1f1b"
     in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
+    # a stage's peak: its kept activations and the larger of a block's backward and -- on the stage
+    # with the head -- the loss's (the loss's backward ends before the blocks' begin)
     per_block = activations_per_block(shape, lay)
-    recomputed = activations_per_block(shape, replace(lay, recompute="none")) if lay.recompute != "none" else 0.0
-    logits = lay.micro_batch * shape.seq // lay.cp * shape.vocab / lay.tp * 4 * LOSS_LOGITS_COPIES
-    first = state + gathered + stage_layers * per_block * in_flight + recomputed + (logits if zbv else 0.0)
+    backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay) + cached_logits_bytes(shape, lay)
+    first = state + gathered + stage_layers * per_block * in_flight + max(backward, loss if zbv else 0.0)
     last = (state_of(_rank_params(shape, lay, stage_layers, moe_fraction, ends[1])) + gathered
-            + stage_layers * per_block * (in_flight if every else 1) + recomputed + (0.0 if zbv else logits))
+            + stage_layers * per_block * (in_flight if every else 1) + max(backward, 0.0 if zbv else loss))
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
@@ -349,6 +402,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     head_s = steps * head.busy()
     return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
                       {"weights, gradients and optimizer state": int(state), "gathered weights": int(gathered),
-                       "activations": int(stage_layers * per_block * in_flight + recomputed), "logits": int(logits)},
+                       "activations": int(stage_layers * per_block * in_flight), "block backward": int(backward),
+                       "loss": int(loss)},
                       tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
                       {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})

@@ -1,0 +1,139 @@
+"""The bytes torchtitan's Llama 3 holds at the peak of each phase of a training step, on CPU, as a
+GPU's eager step would hold them: what ``gt.nn.plan_at_scale``'s memory model predicts.
+
+:func:`step_phase_peaks` trains one step of torchtitan's own ``Llama3Model`` (examples/titan_models.py)
+in bfloat16 under torchtitan's own activation checkpointing (``FullAC``, ``SelectiveAC`` or none),
+with torchtitan's loss (the logits cast to float, cross entropy, the logits let go, backward), and
+follows every storage the step's ops make -- the parameters, their gradients (made beforehand, so
+that each new one is a temporary added in place), the buffers and the inputs held apart. It returns
+the most bytes alive at once in each of three phases: the *forward* (the model's, to the logits),
+the *loss* (the loss, its backward and the head's) and the *blocks* (the blocks' backwards, each
+recomputing its forward where checkpointed).
+
+Two kernels differ between a CPU and a GPU, and the step takes the GPU's:
+
+- ``F.rms_norm`` on a CPU is torch's composite (its input cast to float32, its normalised value
+  kept in float32 for the weight's gradient), where CUDA's fused kernel keeps the input and one
+  float32 number a row: the norms run a stand-in that keeps what the fused kernel keeps, computing
+  outside the followed ops as the fused kernel computes inside itself;
+- CPU attention is ``_scaled_dot_product_flash_attention_for_cpu``, which torchtitan's selective
+  policy does not list (it lists the CUDA kernels): it is saved as the CUDA flash kernel would be.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+PHASES = ("forward", "loss", "blocks")
+
+
+class _Followed(TorchDispatchMode):
+    """Every storage the ops within make, counted once while any tensor on it lives, and the peak
+    of each phase (:data:`PHASES`), which the step sets but for ``blocks``: that begins at the
+    first norm's backward (the final norm's, after the head's)."""
+
+    def __init__(self, held: set):
+        super().__init__()
+        self.held, self.now, self.phase = held, 0, "forward"
+        self.peaks = dict.fromkeys(PHASES, 0)
+        self._holders, self._sizes = {}, {}
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """``t`` was made outside the followed ops (a stand-in kernel's result): count it."""
+        key = t.untyped_storage()._cdata
+        if key in self.held:
+            return
+        if key not in self._holders:
+            self._holders[key], self._sizes[key] = 0, t.untyped_storage().nbytes()
+            self.now += self._sizes[key]
+        self._holders[key] += 1
+        weakref.finalize(t, self._freed, key)
+        self.peaks[self.phase] = max(self.peaks[self.phase], self.now)
+
+    def _freed(self, key) -> None:
+        self._holders[key] -= 1
+        if not self._holders[key]:
+            del self._holders[key]
+            self.now -= self._sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.adopt(t)
+        return out
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMS norm keeping what CUDA's fused kernel keeps for its backward: the input and the float32
+    reciprocal root mean square of each row. Its arithmetic runs outside the followed ops, as a
+    fused kernel's runs inside it; its results are counted."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, followed):
+        with _disable_current_modes():
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+            out = ((x.float() * rstd) * weight.float()).to(x.dtype)
+        followed.adopt(rstd)
+        followed.adopt(out)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.followed = followed
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        ctx.followed.phase = "blocks"
+        with _disable_current_modes():
+            normed, g = x.float() * rstd, grad.float()
+            gw = g * weight.float()
+            grad_x = (rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))).to(x.dtype)
+            grad_w = (g * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        ctx.followed.adopt(grad_x)
+        ctx.followed.adopt(grad_w)
+        return grad_x, grad_w, None, None
+
+
+class _SelectiveOnCPU(SelectiveAC):
+    """torchtitan's selective policy, CPU attention saved as its CUDA kernels are."""
+
+    def get_save_ops(self) -> set:
+        return super().get_save_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _fused_norms(model: torch.nn.Module, followed: _Followed) -> None:
+    for norm in model.modules():
+        if isinstance(norm, torch.nn.RMSNorm):
+            norm.forward = (lambda n: lambda x: _FusedRMSNorm.apply(x, n.weight, n.eps or 1e-6, followed))(norm)
+
+
+def step_phase_peaks(model: torch.nn.Module, tokens: torch.Tensor, recompute: str) -> dict:
+    """The peak bytes of each phase (:data:`PHASES`) of one step of ``model`` (torchtitan's
+    ``Llama3Model``, bfloat16) on ``tokens`` (``[batch, seq + 1]``), its blocks checkpointed by
+    torchtitan's ``recompute`` policy ("none", "selective" or "full")."""
+    if recompute == "full":
+        FullAC(FullAC.Config()).apply(model)
+    elif recompute == "selective":
+        _SelectiveOnCPU(SelectiveAC.Config()).apply(model)
+    elif recompute != "none":
+        raise ValueError(f"step_phase_peaks: recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    held = {t.untyped_storage()._cdata for p in model.parameters() for t in (p, p.grad)}
+    held |= {t.untyped_storage()._cdata for t in (*model.buffers(), tokens)}
+    followed = _Followed(held)
+    _fused_norms(model, followed)
+    with followed:
+        pred = model(x)
+        followed.phase = "loss"
+        loss = F.cross_entropy(pred.flatten(0, 1).float(), y.flatten())
+        del pred
+        loss.backward()
+    return dict(followed.peaks)
