@@ -17,8 +17,9 @@ their authors measured.
   ran it (FSDP's weights gathered once a step within a pipeline, ``pipeline_parallel_microbatches``
   defaulting to the stage count, its selective or full activation checkpointing), against the
   published figure -- the allocator's peak *reserved* bytes, where the model counts the tensors
-  alive and, of the allocator's blocks beyond them, the bf16 logits'. And the run that published an out-of-memory (405B on 128 H100s with FSDP alone) must
-  never be predicted to fit, nor a run that trained predicted not to.
+  alive and, of the allocator's blocks beyond them, the bf16 logits'. And the run that published
+  an out-of-memory (405B on 128 H100s with FSDP alone) must never be predicted to fit, nor a run
+  that trained predicted not to.
 - **Planning time**: ``plan_at_scale`` over every degree for Llama 3.1 405B on 1,024 H100s and 8B
   on 64, the seconds it takes.
 

@@ -21,8 +21,6 @@ Two kernels differ between a CPU and a GPU, and the step takes the GPU's:
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -30,37 +28,27 @@ from torch.utils._pytree import tree_flatten
 
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from globaltensor.nn.auto.cost import LiveBytes
+
 PHASES = ("forward", "loss", "blocks")
 
 
 class _Followed(TorchDispatchMode):
-    """Every storage the ops within make, counted once while any tensor on it lives, and the peak
-    of each phase (:data:`PHASES`), which the step sets but for ``blocks``: that begins at the
-    first norm's backward (the final norm's, after the head's)."""
+    """Every storage the ops within make, in auto_plan's ``LiveBytes`` (counted once while any tensor
+    on it lives), and the peak of each phase (:data:`PHASES`), which the step sets but for
+    ``blocks``: that begins at the first norm's backward (the final norm's, after the head's)."""
 
-    def __init__(self, held: set):
+    def __init__(self, held):
         super().__init__()
-        self.held, self.now, self.phase = held, 0, "forward"
+        self.live, self.phase = LiveBytes(), "forward"
+        for t in held:
+            self.live.held(0, t, counted=False)
         self.peaks = dict.fromkeys(PHASES, 0)
-        self._holders, self._sizes = {}, {}
 
     def adopt(self, t: torch.Tensor) -> None:
         """``t`` was made outside the followed ops (a stand-in kernel's result): count it."""
-        key = t.untyped_storage()._cdata
-        if key in self.held:
-            return
-        if key not in self._holders:
-            self._holders[key], self._sizes[key] = 0, t.untyped_storage().nbytes()
-            self.now += self._sizes[key]
-        self._holders[key] += 1
-        weakref.finalize(t, self._freed, key)
-        self.peaks[self.phase] = max(self.peaks[self.phase], self.now)
-
-    def _freed(self, key) -> None:
-        self._holders[key] -= 1
-        if not self._holders[key]:
-            del self._holders[key]
-            self.now -= self._sizes.pop(key)
+        self.live.made(0, t)
+        self.peaks[self.phase] = max(self.peaks[self.phase], self.live.now[0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -78,8 +66,9 @@ class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, followed):
         with _disable_current_modes():
-            rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-            out = ((x.float() * rstd) * weight.float()).to(x.dtype)
+            wide = x.to(_accumulated(x))
+            rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+            out = (wide * rstd * weight.to(wide.dtype)).to(x.dtype)
         followed.adopt(rstd)
         followed.adopt(out)
         ctx.save_for_backward(x, weight, rstd)
@@ -91,13 +80,19 @@ class _FusedRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         ctx.followed.phase = "blocks"
         with _disable_current_modes():
-            normed, g = x.float() * rstd, grad.float()
-            gw = g * weight.float()
+            wide = _accumulated(x)
+            normed, g = x.to(wide) * rstd, grad.to(wide)
+            gw = g * weight.to(wide)
             grad_x = (rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))).to(x.dtype)
             grad_w = (g * normed).flatten(0, -2).sum(0).to(weight.dtype)
         ctx.followed.adopt(grad_x)
         ctx.followed.adopt(grad_w)
         return grad_x, grad_w, None, None
+
+
+def _accumulated(x: torch.Tensor) -> torch.dtype:
+    """The dtype the fused kernel computes ``x``'s norm in: float32 for bfloat16 and half, else x's."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class _SelectiveOnCPU(SelectiveAC):
@@ -108,9 +103,13 @@ class _SelectiveOnCPU(SelectiveAC):
 
 
 def _fused_norms(model: torch.nn.Module, followed: _Followed) -> None:
+    """Each of ``model``'s RMS norms runs :class:`_FusedRMSNorm`."""
+    def fused(norm):
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        return lambda x: _FusedRMSNorm.apply(x, norm.weight, eps, followed)
     for norm in model.modules():
         if isinstance(norm, torch.nn.RMSNorm):
-            norm.forward = (lambda n: lambda x: _FusedRMSNorm.apply(x, n.weight, n.eps or 1e-6, followed))(norm)
+            norm.forward = fused(norm)
 
 
 def step_phase_peaks(model: torch.nn.Module, tokens: torch.Tensor, recompute: str) -> dict:
@@ -126,9 +125,7 @@ def step_phase_peaks(model: torch.nn.Module, tokens: torch.Tensor, recompute: st
     x, y = tokens[:, :-1], tokens[:, 1:]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    held = {t.untyped_storage()._cdata for p in model.parameters() for t in (p, p.grad)}
-    held |= {t.untyped_storage()._cdata for t in (*model.buffers(), tokens)}
-    followed = _Followed(held)
+    followed = _Followed([t for p in model.parameters() for t in (p, p.grad)] + [*model.buffers(), tokens])
     _fused_norms(model, followed)
     with followed:
         pred = model(x)
