@@ -149,7 +149,7 @@ def test_a_zero_bubble_layout_holds_what_its_schedule_does():
     assert zbv.by_kind["pipeline bubble"] < zb.by_kind["pipeline bubble"] < one.by_kind["pipeline bubble"]
     assert zbv.seconds < one.seconds and zb.seconds < one.seconds
     last = max(one.memory)
-    loss, backward = one.memory_parts["loss"], one.memory_parts["block backward"]
+    loss, backward = one.memory_parts["loss backward"], one.memory_parts["block backward"]
     assert loss > backward                                  # the loss's peak is the larger, here
     vocabulary = 128256 * 4096 / 4 * (2 + 4 + 12 / 2)      # a rank's head: bf16, float32 gradients, state over dp 2
     blocks = one.memory_parts["activations"] / 4            # one micro-batch's activations of a stage's 8 blocks

@@ -336,7 +336,9 @@ def cached_logits_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
 def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int) -> Prediction:
     """The step of ``shape`` laid out as ``lay`` on ``lay.gpus`` of ``device`` at ``global_batch``
     sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
-    last stage's first rank, ``by_kind`` the step's seconds by kind on the last stage."""
+    last stage's first rank; ``memory_parts`` the state, FSDP's gathered weights, the first stage's
+    kept activations, and the two peaks of which a stage holds the larger (not their sum): a block's
+    backward and the loss's backward; ``by_kind`` the step's seconds by kind on the last stage."""
     m = lay.micro_batches(global_batch)
     zbv = lay.schedule == "zbv"
     # zbv: two halves a stage, the first stage's holding the embedding, the head and the loss
@@ -403,6 +405,6 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
                       {"weights, gradients and optimizer state": int(state), "gathered weights": int(gathered),
                        "activations": int(stage_layers * per_block * in_flight), "block backward": int(backward),
-                       "loss": int(loss)},
+                       "loss backward": int(loss)},
                       tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
                       {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})
