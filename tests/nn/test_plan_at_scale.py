@@ -87,8 +87,37 @@ def test_plan_at_scale_chooses_a_valid_layout_no_slower_than_a_published_one():
     assert any(lay == fsdp for lay, _ in plan.options)
     assert plan.prediction.seconds <= plan.predict(fsdp).seconds
     assert plan.layout.text() in plan.explain()
-    searched = {(lay.schedule, lay.virtual > 1) for lay, _ in plan.options if lay.pp > 1}
-    assert searched == {("1f1b", False), ("1f1b", True), ("zero_bubble", False), ("zbv", False)}
+    searched = {(lay.schedule, lay.virtual > 1, lay.cut) for lay, _ in plan.options if lay.pp > 1}
+    assert searched == {("1f1b", False, "even"), ("1f1b", True, "even"), ("zero_bubble", False, "even"),
+                        ("zbv", False, "even"), ("1f1b", False, "params"), ("zero_bubble", False, "params")}
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_a_params_cut_is_the_one_pipeline_stages_makes(pp):
+    """ScaleLayout(cut="params") takes the stages' layers ``gt.nn.pipeline_stages(..., cut="params")``
+    gives transformers' own Llama 3.1 8B (on the meta device): a layer's weights against the final
+    norm's and the head's on the last stage."""
+    from globaltensor.nn.auto.scale_model import stage_layers
+    from globaltensor.nn.pipeline_cut import chunk_sizes
+    model = _meta(LlamaForCausalLM, LLAMA_8B)
+    shape = gnn.TransformerShape.of(model, seq=8192)
+    lay = gnn.ScaleLayout(dp=1, pp=pp, cut="params")
+    want = chunk_sizes("params", list(model.model.layers), [model.model.norm, model.lm_head], pp)
+    assert list(stage_layers(shape, lay)) == want
+    assert stage_layers(shape, gnn.ScaleLayout(dp=1, pp=pp)) == (-(-32 // pp),) * pp
+
+
+def test_a_params_cut_shortens_the_step_and_fills_the_first_stage():
+    """Llama 3.1 8B over 4 stages, cut 9, 9, 8, 6 by weights: the slowest stage runs 9 layers where the
+    even cut's last runs 8 and a head of 2.4 layers' weights, so the step is shorter; the first stage
+    holds 9 layers' activations for its 4 micro-batches, the last 6 for its one."""
+    device = gnn.DEVICES["H100"]
+    even, params = (predict_scale(LLAMA_8B_SHAPE, gnn.ScaleLayout(dp=16, pp=4, cut=c), device, 256)
+                    for c in ("even", "params"))
+    assert params.seconds < even.seconds
+    assert params.memory_parts["activations"] == pytest.approx(even.memory_parts["activations"] * 9 / 8, rel=1e-9)
+    assert params.memory[0] > even.memory[0] and params.memory[48] < even.memory[48]
+    assert "params cut" in gnn.ScaleLayout(dp=16, pp=4, cut="params").text()
 
 
 def test_a_deepseek_v3_shape_plans_with_its_experts_split_where_asked():
@@ -220,6 +249,11 @@ def test_bad_arguments_name_themselves():
         "with pp=2, virtual=2")
     with pytest.raises(ValueError, match=r"zbv cuts 2 layers into 2 x pp=2 halves"):
         plan.predict(gnn.ScaleLayout(dp=4, pp=2, schedule="zbv"))
+    for lay in (gnn.ScaleLayout(dp=8, cut="params"), gnn.ScaleLayout(dp=4, pp=2, cut="weights"),
+                gnn.ScaleLayout(dp=4, pp=2, schedule="zbv", cut="params")):
+        with pytest.raises(ValueError, match=r"cut='(params|weights)' \(expected one of \('even', 'params'\); "
+                                             r"'params' over 2 or more stages, virtual=1, not zbv\)"):
+            plan.predict(lay)
 
 
 def test_the_losss_logits_copies_are_what_torchs_cross_entropy_holds():

@@ -26,11 +26,11 @@ Per micro-batch and block, on a rank (``tok = micro_batch · seq / cp`` tokens):
 - FSDP: each block's weights gathered forward and backward and its gradients reduce-scattered,
   every micro-batch, hidden under the block's compute.
 
-A stage's micro-batch is its blocks' sum and the head's (the slowest stage: the last; under zbv
-the first, which runs the last chunk); the step is ``m`` of them plus the bubble -- 1F1B's
-``(pp - 1) / virtual``; a zero-bubble schedule's as globaltensor/schedules.py's simulation of its
-order gives it at unit durations (forward, input gradient and weight gradient alike: ZB-H1
-``(pp - 1) / 3``, zbv less) -- the sends between
+A micro-batch's time is its slowest stage's: its blocks' sum and, on the stage with the head (the
+last; under zbv the first, which runs the last chunk), the head's (:func:`stage_layers`); the step
+is ``m`` of them plus the bubble -- 1F1B's ``(pp - 1) / virtual``; a zero-bubble schedule's as
+globaltensor/schedules.py's simulation of its order gives it at unit durations (forward, input
+gradient and weight gradient alike: ZB-H1 ``(pp - 1) / 3``, zbv less) -- the sends between
 stages, the data-parallel reduce-scatter of the gradients and all-gather of the weights -- hidden
 under the last micro-batch's backward and the first one's forward where the device overlaps -- and
 the optimizer's update of the rank's shard.
@@ -46,11 +46,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ... import schedules
+from ..pipeline_cut import CUTS, balanced
 from .devices import Device
 from .predict import Prediction
 from .transformer_shape import TransformerShape
@@ -77,8 +78,10 @@ class ScaleLayout:
     attention's kept, the rest recomputed; "full": every block's activations recomputed in its
     backward),
     ``zero`` (1: the optimizer state split over the data and context ranks; 3: weights and
-    gradients too) and the pipeline's ``schedule`` (:data:`SCHEDULES`; the zero-bubble ones with
-    ``virtual`` 1 -- zbv's two halves a stage are its own)."""
+    gradients too), the pipeline's ``schedule`` (:data:`SCHEDULES`; the zero-bubble ones with
+    ``virtual`` 1 -- zbv's two halves a stage are its own) and its ``cut`` (:func:`stage_layers`:
+    ``"even"``, or ``"params"``, as ``gt.nn.pipeline_stages(..., cut="params")`` cuts, with
+    ``virtual`` 1 and not zbv)."""
     dp: int
     tp: int = 1
     pp: int = 1
@@ -89,6 +92,7 @@ class ScaleLayout:
     recompute: str = "none"
     zero: int = 1
     schedule: str = "1f1b"
+    cut: str = "even"
 
     @property
     def gpus(self) -> int:
@@ -116,6 +120,9 @@ class ScaleLayout:
         if self.schedule not in SCHEDULES or self.schedule != "1f1b" and (self.pp == 1 or self.virtual > 1):
             return (f"schedule={self.schedule!r} (expected one of {SCHEDULES}; the zero-bubble ones over 2 or more "
                     f"stages, virtual=1) with pp={self.pp}, virtual={self.virtual}")
+        if self.cut not in CUTS or self.cut != "even" and (self.pp == 1 or self.virtual > 1 or self.schedule == "zbv"):
+            return (f"cut={self.cut!r} (expected one of {CUTS}; 'params' over 2 or more stages, virtual=1, not zbv) "
+                    f"with pp={self.pp}, virtual={self.virtual}, schedule={self.schedule!r}")
         if self.schedule == "zbv" and 2 * self.pp > shape.layers:
             return f"zbv cuts {shape.layers} layers into 2 x pp={self.pp} halves"
         if self.cp > 1 and shape.seq % (2 * self.cp):
@@ -134,7 +141,8 @@ class ScaleLayout:
         return (f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
                 + f", micro-batch {self.micro_batch}" + (f", {self.virtual} chunks a stage" if self.virtual > 1 else "")
                 + (f", {self.recompute} recompute" if self.recompute != "none" else "") + (", FSDP" if self.zero == 3 else "")
-                + (f", {self.schedule}" if self.schedule != "1f1b" else ""))
+                + (f", {self.schedule}" if self.schedule != "1f1b" else "")
+                + (f", {self.cut} cut" if self.cut != "even" else ""))
 
 
 class _Costs:
@@ -333,21 +341,46 @@ def cached_logits_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
     return _tokens(shape, lay) * shape.vocab / lay.tp * shape.dtype.itemsize
 
 
+def stage_layers(shape: TransformerShape, lay: ScaleLayout) -> Tuple[int, ...]:
+    """The layers of each pipeline stage as the model counts them. ``"even"``: every stage at the
+    most an even cut gives one, ``ceil(layers / pp)`` (zbv: two halves of ``ceil(layers / 2 pp)``),
+    the slowest stage's time and the fullest's memory. ``"params"``: the cut
+    ``gt.nn.pipeline_stages(..., cut="params")`` makes of such a model -- a layer's cost its weights,
+    the final norm's and the head's added to the last stage (nn/pipeline_cut.py)."""
+    if lay.cut == "params":
+        return _params_cut(shape, lay.pp)
+    if lay.schedule == "zbv":
+        return (2 * math.ceil(shape.layers / (2 * lay.pp)),) * lay.pp
+    return (math.ceil(shape.layers / lay.pp),) * lay.pp
+
+
+@functools.lru_cache(maxsize=None)
+def _params_cut(shape: TransformerShape, pp: int) -> Tuple[int, ...]:
+    moe = [bool(shape.experts) and i >= shape.dense_layers for i in range(shape.layers)]
+    head = shape.vocab * shape.hidden + shape.hidden
+    return tuple(balanced([shape.layer_params(m) for m in moe], head, pp))
+
+
 def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int) -> Prediction:
     """The step of ``shape`` laid out as ``lay`` on ``lay.gpus`` of ``device`` at ``global_batch``
     sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
     last stage's first rank; ``memory_parts`` the state, FSDP's gathered weights, the first stage's
     kept activations, and the two peaks of which a stage holds the larger (not their sum): a block's
-    backward and the loss's backward; ``by_kind`` the step's seconds by kind on the last stage."""
+    backward and the loss's backward; ``by_kind`` the step's seconds by kind on the slowest stage."""
     m = lay.micro_batches(global_batch)
     zbv = lay.schedule == "zbv"
-    # zbv: two halves a stage, the first stage's holding the embedding, the head and the loss
-    stage_layers = 2 * math.ceil(shape.layers / (2 * lay.pp)) if zbv else math.ceil(shape.layers / lay.pp)
+    counts = stage_layers(shape, lay)
     moe_fraction = shape.moe_layers / shape.layers
     head = _head(shape, lay, device)
-    parts = [(_block(shape, lay, device, False), stage_layers * (1 - moe_fraction)), (head, 1)]
-    if moe_fraction:
-        parts.append((_block(shape, lay, device, True), stage_layers * moe_fraction))
+    dense, routed = _block(shape, lay, device, False), _block(shape, lay, device, True) if moe_fraction else None
+
+    def parts_of(layers: int, with_head: bool) -> list:
+        parts = [(dense, layers * (1 - moe_fraction))] + ([(head, 1)] if with_head else [])
+        return parts + ([(routed, layers * moe_fraction)] if moe_fraction else [])
+    head_stage = 0 if zbv else lay.pp - 1     # zbv's first stage runs the last chunk: the head and the loss
+    # a micro-batch's time is its slowest stage's
+    parts = max((parts_of(n, s == head_stage) for s, n in enumerate(counts)),
+                key=lambda ps: sum(costs.busy() * count for costs, count in ps))
     stage: Dict[str, float] = {}
     for costs, count in parts:
         for k, v in costs.by_kind.items():
@@ -362,7 +395,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     chunks = 2 if zbv else lay.virtual
     by_kind["pipeline sends"] = 2 * m * chunks * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
     ends = (2, 0) if zbv else (1, 1)          # the vocabularies of the first stage and the last
-    params = _rank_params(shape, lay, stage_layers, moe_fraction, max(ends))
+    params = _rank_params(shape, lay, max(counts), moe_fraction, max(ends))
     shards = lay.dp * lay.cp
     inside = lay.gpus <= device.per_node
     data = 0.0
@@ -378,7 +411,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     def state_of(weights: float) -> float:
         held = weights / shards if lay.gathers_per_use else weights
         return held * (item + GRAD_BYTES) + weights / shards * MASTER_BYTES
-    state = state_of(params)
+    state = state_of(_rank_params(shape, lay, counts[0], moe_fraction, ends[0]))
     # Gathered per use, the weights of a block and the head are gathered at once (the backward's
     # start: the head's, the last block's prefetched), and their gradients whole until their
     # reduce-scatter.
@@ -393,9 +426,9 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     # with the head -- the loss's (the loss's backward ends before the blocks' begin)
     per_block = activations_per_block(shape, lay)
     backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay) + cached_logits_bytes(shape, lay)
-    first = state + gathered + stage_layers * per_block * in_flight + max(backward, loss if zbv else 0.0)
-    last = (state_of(_rank_params(shape, lay, stage_layers, moe_fraction, ends[1])) + gathered
-            + stage_layers * per_block * (in_flight if every else 1) + max(backward, 0.0 if zbv else loss))
+    first = state + gathered + counts[0] * per_block * in_flight + max(backward, loss if zbv else 0.0)
+    last = (state_of(_rank_params(shape, lay, counts[-1], moe_fraction, ends[1])) + gathered
+            + counts[-1] * per_block * (in_flight if every else 1) + max(backward, 0.0 if zbv else loss))
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
@@ -404,7 +437,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     head_s = steps * head.busy()
     return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
                       {"weights, gradients and optimizer state": int(state), "gathered weights": int(gathered),
-                       "activations": int(stage_layers * per_block * in_flight), "block backward": int(backward),
+                       "activations": int(counts[0] * per_block * in_flight), "block backward": int(backward),
                        "loss backward": int(loss)},
                       tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
                       {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})

@@ -10,9 +10,10 @@ memory is kept:
 
 - tensor parallelism 1, 2, 4 or 8 (within a node, dividing the heads);
 - context parallelism 1 to 16 (ring attention over balanced halves of the sequence);
-- pipeline parallelism over 1 to 64 stages (stages of whole blocks: the slowest has
-  ``ceil(layers / pp)``), 1F1B non-interleaved or interleaved over 2, 4 or 8 chunks a stage, or a
-  zero-bubble schedule (ZB-H1, or zbv: two halves a stage in a V);
+- pipeline parallelism over 1 to 64 stages of whole blocks, 1F1B non-interleaved or interleaved
+  over 2, 4 or 8 chunks a stage, or a zero-bubble schedule (ZB-H1, or zbv: two halves a stage in a
+  V); cut evenly (the slowest stage has ``ceil(layers / pp)``) or, for 1F1B and ZB-H1, by weights as
+  ``gt.nn.pipeline_stages(..., cut="params")`` cuts (the head's with the last stage);
 - expert parallelism over the divisors of the experts that divide the data ranks (MoE shapes);
 - data parallelism over the rest, ZeRO-1 or FSDP; micro-batches of 1, 2, 4 or 8 sequences;
   activations kept, selectively recomputed (torchtitan's op-level policy) or fully recomputed.
@@ -83,11 +84,11 @@ def layouts(shape: TransformerShape, gpus: int, global_batch: int, per_node: int
             continue
         dp = gpus // (tp * cp * pp)
         experts = [e for e in range(1, shape.experts + 1) if shape.experts % e == 0 and (dp * cp) % e == 0] or [1]
-        pipelines = ([(v, "1f1b") for v in VIRTUAL] + [(1, s) for s in SCHEDULES if s != "1f1b"]) if pp > 1 \
-            else [(1, "1f1b")]
-        for ep, mb, (virtual, schedule), recompute, zero in itertools.product(experts, MICRO_BATCHES, pipelines,
-                                                                             RECOMPUTE, (1, 3)):
-            lay = ScaleLayout(dp, tp, pp, cp, ep, mb, virtual, recompute, zero, schedule)
+        pipelines = ([(v, "1f1b", "even") for v in VIRTUAL] + [(1, s, "even") for s in SCHEDULES if s != "1f1b"]
+                     + [(1, s, "params") for s in SCHEDULES if s != "zbv"]) if pp > 1 else [(1, "1f1b", "even")]
+        for ep, mb, (virtual, schedule, cut), recompute, zero in itertools.product(experts, MICRO_BATCHES, pipelines,
+                                                                                  RECOMPUTE, (1, 3)):
+            lay = ScaleLayout(dp, tp, pp, cp, ep, mb, virtual, recompute, zero, schedule, cut)
             if lay.problem(shape, gpus, global_batch, per_node) is None:
                 yield lay
 
