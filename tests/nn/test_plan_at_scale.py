@@ -93,18 +93,24 @@ def test_plan_at_scale_chooses_a_valid_layout_no_slower_than_a_published_one():
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
-def test_a_params_cut_is_the_one_pipeline_stages_makes(pp):
-    """ScaleLayout(cut="params") takes the stages' layers ``gt.nn.pipeline_stages(..., cut="params")``
-    gives transformers' own Llama 3.1 8B (on the meta device): a layer's weights against the final
-    norm's and the head's on the last stage."""
+@pytest.mark.parametrize("cut", ["even", "params"])
+def test_a_stages_layers_are_those_pipeline_stages_gives(pp, cut):
+    """ScaleLayout(cut=) takes the layers per stage that ``gt.nn.pipeline_stages(..., cut=)`` gives
+    transformers' own Llama 3.1 8B (on the meta device): "even", the extra layers on the first
+    stages; "params", a layer's weights against the final norm's and the head's on the last stage.
+    Interleaved, a stage holds its chunks' layers; under zbv, its two halves'."""
     from globaltensor.nn.auto.scale_model import stage_layers
     from globaltensor.nn.pipeline_cut import chunk_sizes
     model = _meta(LlamaForCausalLM, LLAMA_8B)
     shape = gnn.TransformerShape.of(model, seq=8192)
-    lay = gnn.ScaleLayout(dp=1, pp=pp, cut="params")
-    want = chunk_sizes("params", list(model.model.layers), [model.model.norm, model.lm_head], pp)
-    assert list(stage_layers(shape, lay)) == want
-    assert stage_layers(shape, gnn.ScaleLayout(dp=1, pp=pp)) == (-(-32 // pp),) * pp
+    layers, tail = list(model.model.layers), [model.model.norm, model.lm_head]
+    assert list(stage_layers(shape, gnn.ScaleLayout(dp=1, pp=pp, cut=cut))) == chunk_sizes(cut, layers, tail, pp)
+    if cut == "even":
+        chunks = chunk_sizes("even", layers, tail, 2 * pp)
+        assert stage_layers(shape, gnn.ScaleLayout(dp=1, pp=pp, virtual=2)) == tuple(
+            chunks[s] + chunks[s + pp] for s in range(pp))
+        assert stage_layers(shape, gnn.ScaleLayout(dp=1, pp=pp, schedule="zbv")) == tuple(
+            chunks[s] + chunks[-1 - s] for s in range(pp))
 
 
 def test_a_params_cut_shortens_the_step_and_fills_the_first_stage():

@@ -46,8 +46,7 @@ def chunk_sizes(cut: CutLike, layers: List[nn.Module], tail: List[nn.Module], ch
         if any(costs):
             return balanced(costs, sum(map(matmul_weights, tail)), chunks)
     if cut in CUTS:                     # "even", or layers without weights
-        size, extra = divmod(len(layers), chunks)
-        return [size + (c < extra) for c in range(chunks)]
+        return even(len(layers), chunks)
     sizes = list(cut) if isinstance(cut, (list, tuple)) else None
     if sizes is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
         raise ValueError(f"pipeline_stages(cut=): expected one of {CUTS} or a list of layers per chunk (ints >= 1), "
@@ -56,6 +55,12 @@ def chunk_sizes(cut: CutLike, layers: List[nn.Module], tail: List[nn.Module], ch
         raise ValueError(f"pipeline_stages(cut=): expected {chunks} chunks' layer counts summing to the "
                          f"{len(layers)} layers, got {sizes} ({len(sizes)} chunks, {sum(sizes)} layers)")
     return sizes
+
+
+def even(layers: int, chunks: int) -> List[int]:
+    """``layers`` over ``chunks`` chunks, as many each as the count allows, the extra ones on the first."""
+    size, extra = divmod(layers, chunks)
+    return [size + (c < extra) for c in range(chunks)]
 
 
 def balanced(costs: Sequence[int], tail: int, chunks: int) -> List[int]:

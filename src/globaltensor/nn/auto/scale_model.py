@@ -51,7 +51,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ... import schedules
-from ..pipeline_cut import CUTS, balanced
+from ..pipeline_cut import CUTS, balanced, even
 from .devices import Device
 from .predict import Prediction
 from .transformer_shape import TransformerShape
@@ -342,16 +342,18 @@ def cached_logits_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
 
 
 def stage_layers(shape: TransformerShape, lay: ScaleLayout) -> Tuple[int, ...]:
-    """The layers of each pipeline stage as the model counts them. ``"even"``: every stage at the
-    most an even cut gives one, ``ceil(layers / pp)`` (zbv: two halves of ``ceil(layers / 2 pp)``),
-    the slowest stage's time and the fullest's memory. ``"params"``: the cut
-    ``gt.nn.pipeline_stages(..., cut="params")`` makes of such a model -- a layer's cost its weights,
-    the final norm's and the head's added to the last stage (nn/pipeline_cut.py)."""
+    """The layers of each pipeline stage, its chunks' together, as ``gt.nn.pipeline_stages`` cuts the
+    model (nn/pipeline_cut.py): ``"even"``, as many each as the count allows, the extra ones on the
+    first chunks; ``"params"``, a layer's cost its weights, the final norm's and the head's added to
+    the last chunk. A stage holds chunks ``s, s + pp, ...`` (interleaved), or ``s`` and
+    ``2 pp - 1 - s`` (zbv)."""
     if lay.cut == "params":
         return _params_cut(shape, lay.pp)
     if lay.schedule == "zbv":
-        return (2 * math.ceil(shape.layers / (2 * lay.pp)),) * lay.pp
-    return (math.ceil(shape.layers / lay.pp),) * lay.pp
+        sizes = even(shape.layers, 2 * lay.pp)
+        return tuple(sizes[s] + sizes[-1 - s] for s in range(lay.pp))
+    sizes = even(shape.layers, lay.pp * lay.virtual)
+    return tuple(sum(sizes[s::lay.pp]) for s in range(lay.pp))
 
 
 @functools.lru_cache(maxsize=None)

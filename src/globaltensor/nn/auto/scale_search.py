@@ -12,8 +12,8 @@ memory is kept:
 - context parallelism 1 to 16 (ring attention over balanced halves of the sequence);
 - pipeline parallelism over 1 to 64 stages of whole blocks, 1F1B non-interleaved or interleaved
   over 2, 4 or 8 chunks a stage, or a zero-bubble schedule (ZB-H1, or zbv: two halves a stage in a
-  V); cut evenly (the slowest stage has ``ceil(layers / pp)``) or, for 1F1B and ZB-H1, by weights as
-  ``gt.nn.pipeline_stages(..., cut="params")`` cuts (the head's with the last stage);
+  V); the layers cut as ``gt.nn.pipeline_stages`` cuts them: evenly (the extra ones on the first
+  stages) or, for 1F1B and ZB-H1, by weights (``cut="params"``: the head's with the last stage);
 - expert parallelism over the divisors of the experts that divide the data ranks (MoE shapes);
 - data parallelism over the rest, ZeRO-1 or FSDP; micro-batches of 1, 2, 4 or 8 sequences;
   activations kept, selectively recomputed (torchtitan's op-level policy) or fully recomputed.
