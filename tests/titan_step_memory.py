@@ -23,39 +23,40 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from globaltensor.nn.auto.cost import LiveBytes
+from storage_peaks import FollowedStorages
 
 PHASES = ("forward", "loss", "blocks")
 
 
-class _Followed(TorchDispatchMode):
-    """Every storage the ops within make, in auto_plan's ``LiveBytes`` (counted once while any tensor
-    on it lives), and the peak of each phase (:data:`PHASES`), which the step sets but for
+class _Followed(FollowedStorages):
+    """Every storage the ops within make (storage_peaks.py's ``FollowedStorages``, into auto_plan's
+    ``LiveBytes``), and the peak of each phase (:data:`PHASES`), which the step sets but for
     ``blocks``: that begins at the first norm's backward (the final norm's, after the head's)."""
 
     def __init__(self, held):
-        super().__init__()
-        self.live, self.phase = LiveBytes(), "forward"
+        super().__init__(LiveBytes())
         for t in held:
             self.live.held(0, t, counted=False)
+        self.phase = "forward"
         self.peaks = dict.fromkeys(PHASES, 0)
+
+    def local(self, func, args, kwargs):
+        out = super().local(func, args, kwargs)
+        self._note_peak()
+        return out
 
     def adopt(self, t: torch.Tensor) -> None:
         """``t`` was made outside the followed ops (a stand-in kernel's result): count it."""
         self.live.made(0, t)
-        self.peaks[self.phase] = max(self.peaks[self.phase], self.live.now[0])
+        self._note_peak()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.adopt(t)
-        return out
+    def _note_peak(self) -> None:
+        self.peaks[self.phase] = max(self.peaks[self.phase], self.live.now[0])
 
 
 class _FusedRMSNorm(torch.autograd.Function):

@@ -177,17 +177,20 @@ def _zero_bubble(mine: List[List[int]], size: List[float], m: int, bound: List[f
     return seqs
 
 
+def _ready(unit: Unit, chunks: int, end: Dict[Unit, float], now: float) -> bool:
+    """Whether every unit ``unit`` needs has ended by ``now`` (weight gradients split)."""
+    return all(end.get(d, float("inf")) <= now for d in _needs(unit, chunks, True))
+
+
 def _zero_bubble_choice(mine, chunks, m, now, end, next_f, next_b, pending_w, has_room: bool):
-    def ready(u: Unit) -> bool:
-        return all(end.get(d, float("inf")) <= now for d in _needs(u, chunks, True))
-    backwards = [("B", c, next_b[c]) for c in mine if next_b[c] < m and ready(("B", c, next_b[c]))]
+    backwards = [("B", c, next_b[c]) for c in mine if next_b[c] < m and _ready(("B", c, next_b[c]), chunks, end, now)]
     if backwards:
         return min(backwards, key=lambda u: (u[2], -u[1]))
     for c in reversed(mine[1:]):
-        if next_f[c] < m and ready(("F", c, next_f[c])):
+        if next_f[c] < m and _ready(("F", c, next_f[c]), chunks, end, now):
             return ("F", c, next_f[c])
     first = mine[0]
-    if next_f[first] < m and has_room and ready(("F", first, next_f[first])):
+    if next_f[first] < m and has_room and _ready(("F", first, next_f[first]), chunks, end, now):
         return ("F", first, next_f[first])
     return pending_w[0] if pending_w else None
 
@@ -196,7 +199,7 @@ def _forward_first_choice(c, chunks, m, now, end, next_f, next_b, pending_w, has
     """ZB-H1's choice on the stage of chunk ``c``: a forward where there is room, else an input gradient,
     else the oldest deferred weight gradient."""
     for kind, j, room in (("F", next_f[c], has_room), ("B", next_b[c], True)):
-        if j < m and room and all(end.get(d, float("inf")) <= now for d in _needs((kind, c, j), chunks, True)):
+        if j < m and room and _ready((kind, c, j), chunks, end, now):
             return (kind, c, j)
     return pending_w[0] if pending_w else None
 

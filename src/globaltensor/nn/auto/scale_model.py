@@ -379,15 +379,16 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     def parts_of(layers: int, with_head: bool) -> list:
         parts = [(dense, layers * (1 - moe_fraction))] + ([(head, 1)] if with_head else [])
         return parts + ([(routed, layers * moe_fraction)] if moe_fraction else [])
+    def busy(parts: list) -> float:
+        return sum(costs.busy() * count for costs, count in parts)
     head_stage = 0 if zbv else lay.pp - 1     # zbv's first stage runs the last chunk: the head and the loss
     # a micro-batch's time is its slowest stage's
-    parts = max((parts_of(n, s == head_stage) for s, n in enumerate(counts)),
-                key=lambda ps: sum(costs.busy() * count for costs, count in ps))
+    parts = max((parts_of(n, s == head_stage) for s, n in enumerate(counts)), key=busy)
     stage: Dict[str, float] = {}
     for costs, count in parts:
         for k, v in costs.by_kind.items():
             stage[k] = stage.get(k, 0.0) + v * count
-    micro = sum(costs.busy() * count for costs, count in parts)
+    micro = busy(parts)
     steps = m + bubble_steps(lay, m)
     by_kind = {k: v * m for k, v in stage.items()}
     by_kind["pipeline bubble"] = (steps - m) * micro
