@@ -34,7 +34,8 @@ from dataclasses import replace
 import _harness as H  # noqa: F401 -- puts the checkout's src on the path
 
 from globaltensor.nn.auto.devices import H100, MATMUL_EFFICIENCY
-from globaltensor.nn.auto.scale_model import ScaleLayout, predict_scale
+from globaltensor.nn.auto.scale_model import (DTENSOR_LOSS_LOGITS_COPIES, LOSS_LOGITS_COPIES, ScaleLayout,
+                                              predict_scale)
 from globaltensor.nn.auto.scale_search import plan_at_scale, with_matmul_efficiency
 from globaltensor.nn.auto.transformer_shape import TransformerShape
 
@@ -160,8 +161,11 @@ def calibration_sensitivity() -> str:
 
 
 def titan_predictions():
-    """Each of torchtitan's published runs with its prediction on its H100s."""
-    return [(row, predict_scale(row[2], row[3], TITAN_H100, row[4])) for row in TITAN]
+    """Each of torchtitan's published runs with its prediction on its H100s: its loss DTensor's
+    ``loss_parallel()`` wherever it runs tensor parallel (torchtitan's default), else torch's."""
+    return [(row, predict_scale(row[2], row[3], TITAN_H100, row[4],
+                                DTENSOR_LOSS_LOGITS_COPIES if row[3].tp > 1 else LOSS_LOGITS_COPIES))
+            for row in TITAN]
 
 
 def titan_memory_table() -> str:

@@ -65,6 +65,11 @@ MASTER_BYTES = 12                # float32 master weights and Adam's two moments
 # makes of it, and log_softmax's backward's result (tests/nn/test_plan_at_scale.py measures it); per
 # rank the same for this library's vocabulary-split loss (tests/ops/test_loss.py)
 LOSS_LOGITS_COPIES = 3
+# what DTensor's ``loss_parallel()`` holds per rank (torchtitan's loss wherever it runs tensor
+# parallel): its backward of nll_loss and log_softmax in one holds the saved log-probabilities, the
+# zeros it scatters -1 into, their exponentials and the sum of the two, before it multiplies
+# (tests/multiprocess/test_dtensor_loss_peak.py measures it)
+DTENSOR_LOSS_LOGITS_COPIES = 4
 RECOMPUTE = ("none", "selective", "full")
 #: the pipeline schedules a layout may take: 1F1B (interleaved with ``virtual`` > 1) and the zero-bubble ones
 SCHEDULES = ("1f1b", "zero_bubble", "zbv")
@@ -324,11 +329,11 @@ def block_backward_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
     return _tokens(shape, lay) * shape.dtype.itemsize * (sharded / lay.tp + (h if lay.tp > 1 else 0))
 
 
-def loss_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
-    """Bytes the loss's backward holds at its peak, beyond what the blocks keep: LOSS_LOGITS_COPIES
-    float32 logits (the vocabulary split over the tensor ranks), the head's input -- gathered whole
-    over the tensor ranks, as DTensor and this library keep it -- and the final norm's (its shard)."""
-    logits = shape.vocab / lay.tp * 4 * LOSS_LOGITS_COPIES
+def loss_bytes(shape: TransformerShape, lay: ScaleLayout, copies: int = LOSS_LOGITS_COPIES) -> float:
+    """Bytes the loss's backward holds at its peak, beyond what the blocks keep: ``copies`` float32
+    logits (the vocabulary split over the tensor ranks), the head's input -- gathered whole over the
+    tensor ranks, as DTensor and this library keep it -- and the final norm's (its shard)."""
+    logits = shape.vocab / lay.tp * 4 * copies
     return _tokens(shape, lay) * (logits + shape.dtype.itemsize * shape.hidden * (1 + 1 / lay.tp))
 
 
@@ -363,12 +368,16 @@ def _params_cut(shape: TransformerShape, pp: int) -> Tuple[int, ...]:
     return tuple(balanced([shape.layer_params(m) for m in moe], head, pp))
 
 
-def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int) -> Prediction:
+def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int,
+                  loss_copies: int = LOSS_LOGITS_COPIES) -> Prediction:
     """The step of ``shape`` laid out as ``lay`` on ``lay.gpus`` of ``device`` at ``global_batch``
     sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
     last stage's first rank; ``memory_parts`` the state, FSDP's gathered weights, the first stage's
     kept activations, and the two peaks of which a stage holds the larger (not their sum): a block's
-    backward and the loss's backward; ``by_kind`` the step's seconds by kind on the slowest stage."""
+    backward and the loss's backward; ``by_kind`` the step's seconds by kind on the slowest stage.
+    ``loss_copies``: the float32 logits a rank's loss holds at its peak -- this library's and
+    torch's :data:`LOSS_LOGITS_COPIES`, or :data:`DTENSOR_LOSS_LOGITS_COPIES` for a run whose loss
+    is DTensor's ``loss_parallel()``."""
     m = lay.micro_batches(global_batch)
     zbv = lay.schedule == "zbv"
     counts = stage_layers(shape, lay)
@@ -428,7 +437,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     # a stage's peak: its kept activations and the larger of a block's backward and -- on the stage
     # with the head -- the loss's (the loss's backward ends before the blocks' begin)
     per_block = activations_per_block(shape, lay)
-    backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay) + cached_logits_bytes(shape, lay)
+    backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay, loss_copies) + cached_logits_bytes(shape, lay)
     first = state + gathered + counts[0] * per_block * in_flight + max(backward, loss if zbv else 0.0)
     last = (state_of(_rank_params(shape, lay, counts[-1], moe_fraction, ends[1])) + gathered
             + counts[-1] * per_block * (in_flight if every else 1) + max(backward, 0.0 if zbv else loss))
