@@ -15,7 +15,8 @@ their authors measured.
 - **torchtitan's published Llama 3.1 runs** (pytorch/torchtitan/benchmarks/llama3_h100_202412_torchtitan.md: H100s of
   96 GB HBM2e, torch of 2024-12-23): each run's per-GPU memory predicted from its layout as torchtitan
   ran it (FSDP's weights gathered once a step within a pipeline, ``pipeline_parallel_microbatches``
-  defaulting to the stage count, its selective or full activation checkpointing), against the
+  defaulting to the stage count, its selective or full activation checkpointing, DTensor's
+  ``loss_parallel()`` and torch.distributed.pipelining's buffers: ``TORCHTITAN``), against the
   published figure -- the allocator's peak *reserved* bytes, where the model counts the tensors
   alive and, of the allocator's blocks beyond them, the bf16 logits'. And the run that published
   an out-of-memory (405B on 128 H100s with FSDP alone) must never be predicted to fit, nor a run
@@ -34,8 +35,7 @@ from dataclasses import replace
 import _harness as H  # noqa: F401 -- puts the checkout's src on the path
 
 from globaltensor.nn.auto.devices import H100, MATMUL_EFFICIENCY
-from globaltensor.nn.auto.scale_model import (DTENSOR_LOSS_LOGITS_COPIES, LOSS_LOGITS_COPIES, ScaleLayout,
-                                              predict_scale)
+from globaltensor.nn.auto.scale_model import TORCHTITAN, ScaleLayout, predict_scale
 from globaltensor.nn.auto.scale_search import plan_at_scale, with_matmul_efficiency
 from globaltensor.nn.auto.transformer_shape import TransformerShape
 
@@ -161,11 +161,10 @@ def calibration_sensitivity() -> str:
 
 
 def titan_predictions():
-    """Each of torchtitan's published runs with its prediction on its H100s: its loss DTensor's
-    ``loss_parallel()`` wherever it runs tensor parallel (torchtitan's default), else torch's."""
-    return [(row, predict_scale(row[2], row[3], TITAN_H100, row[4],
-                                DTENSOR_LOSS_LOGITS_COPIES if row[3].tp > 1 else LOSS_LOGITS_COPIES))
-            for row in TITAN]
+    """Each of torchtitan's published runs with its prediction on its H100s, run by torchtitan's
+    software (``TORCHTITAN``: DTensor's ``loss_parallel()`` wherever it runs tensor parallel,
+    torch.distributed.pipelining's buffers)."""
+    return [(row, predict_scale(row[2], row[3], TITAN_H100, row[4], TORCHTITAN)) for row in TITAN]
 
 
 def titan_memory_table() -> str:

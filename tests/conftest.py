@@ -236,6 +236,11 @@ PIN_ONLY = (
     "tests/docs/test_docs_numbers.py::test_the_region_is_what_the_code_prints[titan-tp]",
     # DTensor's own collectives differ by release (its clipping reduces 4 bytes at 2.9.1, 84 at 2.13)
     "tests/docs/test_docs_numbers.py::test_the_region_is_what_the_code_prints[peer-plans]",
+    # torch.distributed.pipelining's buffers differ by release: 2.13 makes a receive buffer per
+    # micro-batch ahead and keeps it (as the code has since PiPPy, and as plan_at_scale's TORCHTITAN
+    # takes it for torchtitan's runs of 2024-12), 2.15 receives into tensors made as messages come;
+    # at 2.9.1 its stages' first exchange over gloo fails (a size mismatch, without this library too)
+    "tests/multiprocess/test_pipelining_buffers.py::",
 )
 
 

@@ -151,6 +151,26 @@ def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation(
     assert first > last and recomputed.memory[0] < first and recomputed.seconds > kept.seconds
 
 
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_torchtitans_runner_adds_dtensors_fourth_logits_and_the_pipelines_buffers(virtual):
+    """predict_scale(runner=TORCHTITAN): the loss's backward holds one more float32 logits-sized
+    tensor (DTensor's loss_parallel; the bf16 logits, kept with the pipeline's buffers, are no freed
+    block) and the first stage pipeline_buffer_bytes' -- nothing else moves."""
+    from globaltensor.nn.auto.scale_model import TORCHTITAN, pipeline_buffer_bytes
+    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
+    lay = gnn.ScaleLayout(dp=2, tp=4, pp=4, virtual=virtual, recompute="full")
+    device = gnn.DEVICES["H100"]
+    ours, titan = (predict_scale(shape, lay, device, 64, *runner) for runner in ((), (TORCHTITAN,)))
+    tokens, m = shape.seq, lay.micro_batches(64)
+    logits = tokens * shape.vocab / lay.tp
+    held = min(m, lay.pp if virtual == 1 else lay.pp + (lay.pp - 1) / virtual)
+    buffers = pipeline_buffer_bytes(lay, 0, m, held, tokens * shape.hidden * 2 / lay.tp, logits * 2)
+    assert titan.memory_parts["loss backward"] - ours.memory_parts["loss backward"] == pytest.approx(logits * (4 - 2))
+    assert titan.memory_parts["pipeline buffers"] == int(buffers) and "pipeline buffers" not in ours.memory_parts
+    assert titan.memory[0] - ours.memory[0] == pytest.approx(buffers, abs=2)
+    assert titan.seconds == ours.seconds
+
+
 def _exact_bubble_steps(schedule, p, m):
     """The schedule's bubble in micro-batches of a stage's work, simulated over all ``m`` micro-batches."""
     from globaltensor import schedules

@@ -39,7 +39,9 @@ Memory, on a rank of the first stage and one of the last: the weights, gradients
 state, FSDP's gathered block and head, the blocks' kept activations for the micro-batches the
 schedule holds (:func:`activations_per_block`), and the larger of two peaks that never meet -- a
 block's backward (:func:`block_backward_bytes`) and, on the stage with the head, the loss's
-(:func:`loss_bytes`, with the allocator's block of the bf16 logits: :func:`cached_logits_bytes`).
+(:func:`loss_bytes`, with the allocator's block of the bf16 logits: :func:`cached_logits_bytes`),
+and what the software running the step holds beyond the layout's tensors (:class:`Runner`:
+DTensor's loss and torch.distributed.pipelining's buffers for :data:`TORCHTITAN`).
 """
 from __future__ import annotations
 
@@ -71,6 +73,26 @@ LOSS_LOGITS_COPIES = 3
 # (tests/multiprocess/test_dtensor_loss_peak.py measures it)
 DTENSOR_LOSS_LOGITS_COPIES = 4
 RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Runner:
+    """What the software that runs a step holds beyond the layout's own tensors. The default: this
+    library's loss, and a pipeline as Megatron-LM runs it (a sent output's storage freed, messages
+    received into tensors made as they come). :data:`TORCHTITAN`: torchtitan's runs.
+
+    ``split_loss_logits``: the float32 logits a rank's loss holds at its peak where the vocabulary is
+    split over the tensor ranks (without tensor parallelism the loss is torch's, LOSS_LOGITS_COPIES).
+    ``pipeline_buffers``: torch.distributed.pipelining's (:func:`pipeline_buffer_bytes`) -- a stage
+    keeps each micro-batch's output until its backward, and receives into buffers made ahead for
+    every micro-batch and kept from step to step."""
+    name: str = "globaltensor"
+    split_loss_logits: int = LOSS_LOGITS_COPIES
+    pipeline_buffers: bool = False
+
+
+#: torchtitan: DTensor's loss_parallel() and torch.distributed.pipelining
+TORCHTITAN = Runner("torchtitan", DTENSOR_LOSS_LOGITS_COPIES, pipeline_buffers=True)
 #: the pipeline schedules a layout may take: 1F1B (interleaved with ``virtual`` > 1) and the zero-bubble ones
 SCHEDULES = ("1f1b", "zero_bubble", "zbv")
 
@@ -346,6 +368,38 @@ def cached_logits_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
     return _tokens(shape, lay) * shape.vocab / lay.tp * shape.dtype.itemsize
 
 
+def stage_chunks(lay: ScaleLayout, stage: int) -> Tuple[Tuple[int, ...], int]:
+    """The chunks of the model ``stage`` runs, by their place in the model, and the count of chunks:
+    ``stage + k pp`` for each of its ``virtual`` chunks (1F1B, interleaved, ZB-H1), or ``stage`` and
+    ``2 pp - 1 - stage`` (zbv)."""
+    if lay.schedule == "zbv":
+        return (stage, 2 * lay.pp - 1 - stage), 2 * lay.pp
+    return tuple(stage + k * lay.pp for k in range(lay.virtual)), lay.pp * lay.virtual
+
+
+def pipeline_buffer_bytes(lay: ScaleLayout, stage: int, m: int, held: float, boundary: float,
+                          output: float) -> float:
+    """What torch.distributed.pipelining holds on ``stage`` beyond the model's tensors, for ``m``
+    micro-batches of which each chunk holds ``held`` at once, ``boundary`` bytes a message and
+    ``output`` bytes a micro-batch's model output (the logits). On each chunk:
+
+    - but on the model's last: a gradient buffer for every micro-batch, made ahead and kept from step
+      to step, and the outputs until their backward -- one more than ``held``, the one last sent,
+      which the send keeps until the next exchange;
+    - on the model's last: every micro-batch's output, kept for the step to return;
+    - but on the model's first: an activation buffer for every micro-batch, less the ``held`` ones
+      that are the chunk's first block's inputs, which the activations count.
+
+    tests/multiprocess/test_pipelining_buffers.py reads them from the CPU allocator."""
+    chunks, n = stage_chunks(lay, stage)
+    total = 0.0
+    for c in chunks:
+        total += (m + min(m, held + 1)) * boundary if c < n - 1 else m * output
+        if c > 0:
+            total += (m - held) * boundary
+    return total
+
+
 def stage_layers(shape: TransformerShape, lay: ScaleLayout) -> Tuple[int, ...]:
     """The layers of each pipeline stage, its chunks' together, as ``gt.nn.pipeline_stages`` cuts the
     model (nn/pipeline_cut.py): ``"even"``, as many each as the count allows, the extra ones on the
@@ -369,15 +423,14 @@ def _params_cut(shape: TransformerShape, pp: int) -> Tuple[int, ...]:
 
 
 def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int,
-                  loss_copies: int = LOSS_LOGITS_COPIES) -> Prediction:
+                  runner: Runner = Runner()) -> Prediction:
     """The step of ``shape`` laid out as ``lay`` on ``lay.gpus`` of ``device`` at ``global_batch``
     sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
     last stage's first rank; ``memory_parts`` the state, FSDP's gathered weights, the first stage's
     kept activations, and the two peaks of which a stage holds the larger (not their sum): a block's
-    backward and the loss's backward; ``by_kind`` the step's seconds by kind on the slowest stage.
-    ``loss_copies``: the float32 logits a rank's loss holds at its peak -- this library's and
-    torch's :data:`LOSS_LOGITS_COPIES`, or :data:`DTENSOR_LOSS_LOGITS_COPIES` for a run whose loss
-    is DTensor's ``loss_parallel()``."""
+    backward and the loss's backward, and with ``runner.pipeline_buffers`` the first stage's
+    "pipeline buffers"; ``by_kind`` the step's seconds by kind on the slowest stage. ``runner``: the
+    software's own holdings (:class:`Runner`: this library's; :data:`TORCHTITAN`)."""
     m = lay.micro_batches(global_batch)
     zbv = lay.schedule == "zbv"
     counts = stage_layers(shape, lay)
@@ -437,10 +490,17 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     # a stage's peak: its kept activations and the larger of a block's backward and -- on the stage
     # with the head -- the loss's (the loss's backward ends before the blocks' begin)
     per_block = activations_per_block(shape, lay)
-    backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay, loss_copies) + cached_logits_bytes(shape, lay)
-    first = state + gathered + counts[0] * per_block * in_flight + max(backward, loss if zbv else 0.0)
+    copies = runner.split_loss_logits if lay.tp > 1 else LOSS_LOGITS_COPIES
+    logits, piped = cached_logits_bytes(shape, lay), runner.pipeline_buffers and lay.pp > 1
+    # kept by torch.distributed.pipelining, every micro-batch's logits are among its buffers: none is
+    # a freed block the allocator keeps
+    backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay, copies) + (0.0 if piped else logits)
+    held = (in_flight, in_flight if every else 1)
+    buffers = [pipeline_buffer_bytes(lay, s, m, h, boundary, logits) if piped else 0.0
+               for s, h in zip((0, lay.pp - 1), held)]
+    first = state + gathered + counts[0] * per_block * held[0] + max(backward, loss if zbv else 0.0) + buffers[0]
     last = (state_of(_rank_params(shape, lay, counts[-1], moe_fraction, ends[1])) + gathered
-            + counts[-1] * per_block * (in_flight if every else 1) + max(backward, 0.0 if zbv else loss))
+            + counts[-1] * per_block * held[1] + max(backward, 0.0 if zbv else loss) + buffers[1])
     memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
@@ -450,6 +510,6 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
                       {"weights, gradients and optimizer state": int(state), "gathered weights": int(gathered),
                        "activations": int(counts[0] * per_block * in_flight), "block backward": int(backward),
-                       "loss backward": int(loss)},
+                       "loss backward": int(loss)} | ({"pipeline buffers": int(buffers[0])} if buffers[0] else {}),
                       tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
                       {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})
