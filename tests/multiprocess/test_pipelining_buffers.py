@@ -4,58 +4,14 @@
 message ``ROWS x D`` float32, under GPipe, 1F1B and interleaved 1F1B (2 chunks a stage)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from globaltensor.nn.auto.scale_model import ScaleLayout, pipeline_buffer_bytes, stage_chunks
 
 M = 4
-PROGRAM = r'''
-import json
-import torch
-from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.profiler import ProfilerActivity, profile
-import globaltensor as gt
-from globaltensor.nn.auto.scale_model import ScaleLayout, stage_chunks
-
-ROWS, D, M = 4096, 64, 4
-
-
-def allocator(step):
-    """The CPU allocator over ``step()``: its highest and its last total, from where it started."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    now = top = 0
-    for _, change in events:
-        now += change
-        top = max(top, now)
-    return top, now
-
-
-world, rank = gt.world_size(), gt.rank()
-message = ROWS * D * 4
-out = {"rank": rank}
-for name, schedule, virtual in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
-                                ("interleaved", ScheduleInterleaved1F1B, 2)):
-    torch.manual_seed(0)
-    chunks = stage_chunks(ScaleLayout(dp=1, pp=world, virtual=virtual), rank)[0]
-    stages = [PipelineStage(nn.Linear(D, D, bias=False), c, world * virtual, torch.device("cpu")) for c in chunks]
-    run = schedule(stages if virtual > 1 else stages[0], n_microbatches=M,
-                   loss_fn=lambda y, target: ((y - target) ** 2).mean())
-    x, y = torch.randn(ROWS * M, D), torch.randn(ROWS * M, D)
-
-    def step():
-        if rank == 0:
-            run.step(x)
-        else:
-            run.step(target=y)
-    _, kept = allocator(step)              # the first step makes the buffers
-    top, _ = allocator(step)
-    out[name] = {"kept": kept / message, "peak": (kept + top) / message}
-print("GT " + json.dumps(out))
-'''
+PROGRAM = Path(__file__).with_name("_pipelining_buffers_program.py")
 
 
 @pytest.fixture(scope="module")
