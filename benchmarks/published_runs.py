@@ -35,7 +35,8 @@ from dataclasses import replace
 import _harness as H  # noqa: F401 -- puts the checkout's src on the path
 
 from globaltensor.nn.auto.devices import H100, MATMUL_EFFICIENCY
-from globaltensor.nn.auto.scale_model import TORCHTITAN, ScaleLayout, predict_scale
+from globaltensor.nn.auto.runners import TORCHTITAN
+from globaltensor.nn.auto.scale_model import ScaleLayout, predict_scale
 from globaltensor.nn.auto.scale_search import plan_at_scale, with_matmul_efficiency
 from globaltensor.nn.auto.transformer_shape import TransformerShape
 

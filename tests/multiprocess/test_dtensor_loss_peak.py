@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from globaltensor.nn.auto.scale_model import DTENSOR_LOSS_LOGITS_COPIES, LOSS_LOGITS_COPIES
+from globaltensor.nn.auto.runners import DTENSOR_LOSS_LOGITS_COPIES, LOSS_LOGITS_COPIES
 
 PROGRAM = Path(__file__).with_name("_loss_peak_program.py")
 

@@ -153,22 +153,51 @@ def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation(
 
 @pytest.mark.parametrize("virtual", [1, 2])
 def test_torchtitans_runner_adds_dtensors_fourth_logits_and_the_pipelines_buffers(virtual):
-    """predict_scale(runner=TORCHTITAN): the loss's backward holds one more float32 logits-sized
-    tensor (DTensor's loss_parallel; the bf16 logits, kept with the pipeline's buffers, are no freed
-    block) and the first stage pipeline_buffer_bytes' -- nothing else moves."""
-    from globaltensor.nn.auto.scale_model import TORCHTITAN, pipeline_buffer_bytes
+    """predict_scale(runner=TORCHTITAN), where torchtitan's cut is the even one: every stage holds
+    pipeline_buffer_bytes' more, the head's stage one more float32 logits-sized tensor at the loss's
+    peak (DTensor's loss_parallel) and no freed block of the bf16 ones (kept with the pipeline's
+    buffers) -- nothing else moves."""
+    from globaltensor.nn.auto.runners import TORCHTITAN
+    from globaltensor.nn.auto.scale_model import (block_backward_bytes, cached_logits_bytes, held_micro_batches,
+                                                  loss_bytes, pipeline_buffer_bytes)
     shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
     lay = gnn.ScaleLayout(dp=2, tp=4, pp=4, virtual=virtual, recompute="full")
     device = gnn.DEVICES["H100"]
     ours, titan = (predict_scale(shape, lay, device, 64, *runner) for runner in ((), (TORCHTITAN,)))
-    tokens, m = shape.seq, lay.micro_batches(64)
-    logits = tokens * shape.vocab / lay.tp
-    held = min(m, lay.pp if virtual == 1 else lay.pp + (lay.pp - 1) / virtual)
-    buffers = pipeline_buffer_bytes(lay, 0, m, held, tokens * shape.hidden * 2 / lay.tp, logits * 2)
-    assert titan.memory_parts["loss backward"] - ours.memory_parts["loss backward"] == pytest.approx(logits * (4 - 2))
-    assert titan.memory_parts["pipeline buffers"] == int(buffers) and "pipeline buffers" not in ours.memory_parts
-    assert titan.memory[0] - ours.memory[0] == pytest.approx(buffers, abs=2)
+    m, logits = lay.micro_batches(64), cached_logits_bytes(shape, lay)
+    backward = block_backward_bytes(shape, lay)
+    loss = max(backward, loss_bytes(shape, lay, 4)) - max(backward, loss_bytes(shape, lay) + logits)
+    for s in range(lay.pp):
+        rank = s * lay.gpus // lay.pp
+        buffers = pipeline_buffer_bytes(lay, s, m, held_micro_batches(lay, m, s), shape.seq * shape.hidden * 2 / lay.tp,
+                                        logits)
+        assert titan.memory[rank] - ours.memory[rank] == pytest.approx(buffers + (loss if s == lay.pp - 1 else 0), abs=2)
+    assert "pipeline buffers" in titan.memory_parts and "pipeline buffers" not in ours.memory_parts
     assert titan.seconds == ours.seconds
+
+
+def test_without_a_pipeline_the_one_stage_holds_both_vocabularies():
+    """The one stage holds the embedding and the head, all the model's weights: bf16, float32
+    gradients, and the master weights and Adam's moments over the data ranks -- the final norm's
+    weights aside, which the model leaves out (hidden x 7.5 bytes)."""
+    shape = gnn.TransformerShape(layers=8, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=32000, seq=1024)
+    state = predict_scale(shape, gnn.ScaleLayout(dp=8), gnn.DEVICES["H100"], 64).memory_parts
+    assert state["weights, gradients and optimizer state"] == pytest.approx(shape.params * (2 + 4 + 12 / 8),
+                                                                            abs=shape.hidden * 7.5 + 1)
+
+
+def test_torchtitans_cut_is_its_split_points_of_2024():
+    """torchtitan's generate_split_points (2024-12): the first chunk the quotient, the ones after it one
+    more while the remainder lasts, the last the rest; a stage holds its chunks' layers."""
+    from globaltensor.nn.auto.runners import TORCHTITAN, titan_cut
+    from globaltensor.nn.auto.scale_model import stage_layers
+    assert titan_cut(126, 8) == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert titan_cut(126, 16) == [7] + [8] * 14 + [7]
+    assert titan_cut(7, 4) == [1, 2, 2, 2] and titan_cut(32, 4) == [8] * 4 and titan_cut(5, 1) == [5]
+    llama_405b = gnn.TransformerShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq=8192)
+    assert stage_layers(llama_405b, gnn.ScaleLayout(dp=8, tp=8, pp=8), TORCHTITAN) == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert stage_layers(llama_405b, gnn.ScaleLayout(dp=8, tp=8, pp=8, virtual=2), TORCHTITAN) == (15,) + (16,) * 6 + (15,)
+    assert stage_layers(llama_405b, gnn.ScaleLayout(dp=8, tp=8, pp=8)) == (16,) * 6 + (15, 15)
 
 
 def _exact_bubble_steps(schedule, p, m):
@@ -203,11 +232,13 @@ def test_a_zero_bubble_layout_holds_what_its_schedule_does():
                     for s in ("1f1b", "zero_bubble", "zbv"))
     assert zbv.by_kind["pipeline bubble"] < zb.by_kind["pipeline bubble"] < one.by_kind["pipeline bubble"]
     assert zbv.seconds < one.seconds and zb.seconds < one.seconds
+    from globaltensor.nn.auto.scale_model import activations_per_block, block_backward_bytes, cached_logits_bytes, loss_bytes
+    lay = gnn.ScaleLayout(dp=2, tp=4, pp=4)
     last = max(one.memory)
-    loss, backward = one.memory_parts["loss backward"], one.memory_parts["block backward"]
+    loss, backward = loss_bytes(shape, lay) + cached_logits_bytes(shape, lay), block_backward_bytes(shape, lay)
     assert loss > backward                                  # the loss's peak is the larger, here
     vocabulary = 128256 * 4096 / 4 * (2 + 4 + 12 / 2)      # a rank's head: bf16, float32 gradients, state over dp 2
-    blocks = one.memory_parts["activations"] / 4            # one micro-batch's activations of a stage's 8 blocks
+    blocks = 8 * activations_per_block(shape, lay)          # one micro-batch's activations of a stage's 8 blocks
     assert zb.memory[0] == one.memory[0] and zb.memory[last] == pytest.approx(one.memory[last] + 3 * blocks, rel=1e-9)
     assert zbv.memory[0] == pytest.approx(one.memory[0] + vocabulary + loss - backward, rel=1e-9)
     assert zbv.memory[last] == pytest.approx(one.memory[last] - vocabulary - loss + backward + 3 * blocks, rel=1e-9)
@@ -286,7 +317,7 @@ def test_the_losss_logits_copies_are_what_torchs_cross_entropy_holds():
     """torchtitan's loss: bfloat16 logits cast to float, cross entropy, the logits let go, backward.
     Every storage each op makes is followed (the logits' inputs held apart): at its peak the step
     holds LOSS_LOGITS_COPIES float32 logits-sized tensors, and less than one more of anything else."""
-    from globaltensor.nn.auto.scale_model import LOSS_LOGITS_COPIES
+    from globaltensor.nn.auto.runners import LOSS_LOGITS_COPIES
     from storage_peaks import torchtitan_loss_peak
 
     tokens, hidden, vocab = 512, 16, 1024

@@ -322,7 +322,7 @@ def test_a_class_split_loss_holds_what_torchs_whole_vocabulary_loss_holds():
     sums the exponentials a block of rows at a time, and its backward makes one logits-sized
     tensor. Its forward holds less than torch's whole step, the exponentials of one block beside
     the logits (their bfloat16 original, the float32 copy, the output)."""
-    from globaltensor.nn.auto.scale_model import LOSS_LOGITS_COPIES
+    from globaltensor.nn.auto.runners import LOSS_LOGITS_COPIES
     from globaltensor.ops.rules.softmax import EXP_BLOCKS
     torch.manual_seed(0)
     tokens, hidden, vocab, ranks = 256, 8, 512, 2

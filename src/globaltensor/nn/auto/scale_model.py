@@ -35,13 +35,15 @@ stages, the data-parallel reduce-scatter of the gradients and all-gather of the 
 under the last micro-batch's backward and the first one's forward where the device overlaps -- and
 the optimizer's update of the rank's shard.
 
-Memory, on a rank of the first stage and one of the last: the weights, gradients and optimizer
-state, FSDP's gathered block and head, the blocks' kept activations for the micro-batches the
-schedule holds (:func:`activations_per_block`), and the larger of two peaks that never meet -- a
+Memory, on the first rank of each stage: the weights, gradients and optimizer state (the embedding's
+on the first stage, the head's on the head's), FSDP's gathered block and head, the blocks' kept
+activations for the micro-batches the schedule holds there (:func:`activations_per_block`,
+:func:`held_micro_batches`), and the larger of two peaks that never meet -- a
 block's backward (:func:`block_backward_bytes`) and, on the stage with the head, the loss's
 (:func:`loss_bytes`, with the allocator's block of the bf16 logits: :func:`cached_logits_bytes`),
 and what the software running the step holds beyond the layout's tensors (:class:`Runner`:
-DTensor's loss and torch.distributed.pipelining's buffers for :data:`TORCHTITAN`).
+DTensor's loss, torch.distributed.pipelining's buffers and its own cut for torchtitan's runs:
+:data:`~.runners.TORCHTITAN`).
 """
 from __future__ import annotations
 
@@ -56,43 +58,14 @@ from ... import schedules
 from ..pipeline_cut import CUTS, balanced, even
 from .devices import Device
 from .predict import Prediction
+from .runners import LOSS_LOGITS_COPIES, Runner
 from .transformer_shape import TransformerShape
 
 MEMORY_PASSES = (8, 3)           # reads and writes of (the hidden state, the MLP's width) a token and block
 GRAD_BYTES = 4                   # float32 gradients kept
 REDUCE_BYTES = 2                 # reduced in bf16 (Megatron-core's default: grad_reduce_in_fp32 off)
 MASTER_BYTES = 12                # float32 master weights and Adam's two moments, per parameter
-# float32 logits-sized tensors torch's eager cross entropy holds at its peak, the logits cast to float
-# (torchtitan's loss): log_softmax's output, saved for the backward, the gradient nll_loss's backward
-# makes of it, and log_softmax's backward's result (tests/nn/test_plan_at_scale.py measures it); per
-# rank the same for this library's vocabulary-split loss (tests/ops/test_loss.py)
-LOSS_LOGITS_COPIES = 3
-# what DTensor's ``loss_parallel()`` holds per rank (torchtitan's loss wherever it runs tensor
-# parallel): its backward of nll_loss and log_softmax in one holds the saved log-probabilities, the
-# zeros it scatters -1 into, their exponentials and the sum of the two, before it multiplies
-# (tests/multiprocess/test_dtensor_loss_peak.py measures it)
-DTENSOR_LOSS_LOGITS_COPIES = 4
 RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Runner:
-    """What the software that runs a step holds beyond the layout's own tensors. The default: this
-    library's loss, and a pipeline as Megatron-LM runs it (a sent output's storage freed, messages
-    received into tensors made as they come). :data:`TORCHTITAN`: torchtitan's runs.
-
-    ``split_loss_logits``: the float32 logits a rank's loss holds at its peak where the vocabulary is
-    split over the tensor ranks (without tensor parallelism the loss is torch's, LOSS_LOGITS_COPIES).
-    ``pipeline_buffers``: torch.distributed.pipelining's (:func:`pipeline_buffer_bytes`) -- a stage
-    keeps each micro-batch's output until its backward, and receives into buffers made ahead for
-    every micro-batch and kept from step to step."""
-    name: str = "globaltensor"
-    split_loss_logits: int = LOSS_LOGITS_COPIES
-    pipeline_buffers: bool = False
-
-
-#: torchtitan: DTensor's loss_parallel() and torch.distributed.pipelining
-TORCHTITAN = Runner("torchtitan", DTENSOR_LOSS_LOGITS_COPIES, pipeline_buffers=True)
 #: the pipeline schedules a layout may take: 1F1B (interleaved with ``virtual`` > 1) and the zero-bubble ones
 SCHEDULES = ("1f1b", "zero_bubble", "zbv")
 
@@ -368,6 +341,19 @@ def cached_logits_bytes(shape: TransformerShape, lay: ScaleLayout) -> float:
     return _tokens(shape, lay) * shape.vocab / lay.tp * shape.dtype.itemsize
 
 
+def held_micro_batches(lay: ScaleLayout, m: int, stage: int) -> float:
+    """Micro-batches' worth of its blocks' activations ``stage`` holds at once, at most ``m``. 1F1B:
+    its warm-up's, ``pp - stage``; interleaved, Megatron's warm-up of ``2 (pp - stage - 1) +
+    (virtual - 1) pp`` chunks and one, over the stage's ``virtual`` chunks. The zero-bubble schedules:
+    ``pp`` on every stage (ZB-H1's later stages hold some only for their weight gradients, which read
+    the linears' inputs and output gradients: counted whole)."""
+    if lay.schedule != "1f1b":
+        return min(m, lay.pp)
+    if lay.virtual == 1:
+        return min(m, lay.pp - stage)
+    return min(m, (2 * (lay.pp - stage - 1) + (lay.virtual - 1) * lay.pp + 1) / lay.virtual)
+
+
 def stage_chunks(lay: ScaleLayout, stage: int) -> Tuple[Tuple[int, ...], int]:
     """The chunks of the model ``stage`` runs, by their place in the model, and the count of chunks:
     ``stage + k pp`` for each of its ``virtual`` chunks (1F1B, interleaved, ZB-H1), or ``stage`` and
@@ -400,19 +386,17 @@ def pipeline_buffer_bytes(lay: ScaleLayout, stage: int, m: int, held: float, bou
     return total
 
 
-def stage_layers(shape: TransformerShape, lay: ScaleLayout) -> Tuple[int, ...]:
+def stage_layers(shape: TransformerShape, lay: ScaleLayout, runner: Runner = Runner()) -> Tuple[int, ...]:
     """The layers of each pipeline stage, its chunks' together, as ``gt.nn.pipeline_stages`` cuts the
     model (nn/pipeline_cut.py): ``"even"``, as many each as the count allows, the extra ones on the
     first chunks; ``"params"``, a layer's cost its weights, the final norm's and the head's added to
-    the last chunk. A stage holds chunks ``s, s + pp, ...`` (interleaved), or ``s`` and
-    ``2 pp - 1 - s`` (zbv)."""
-    if lay.cut == "params":
+    the last chunk -- or as the runner cuts it, where it has a cut of its own. A stage holds chunks
+    ``s, s + pp, ...`` (interleaved), or ``s`` and ``2 pp - 1 - s`` (zbv)."""
+    if lay.cut == "params" and runner.cut is None:
         return _params_cut(shape, lay.pp)
-    if lay.schedule == "zbv":
-        sizes = even(shape.layers, 2 * lay.pp)
-        return tuple(sizes[s] + sizes[-1 - s] for s in range(lay.pp))
-    sizes = even(shape.layers, lay.pp * lay.virtual)
-    return tuple(sum(sizes[s::lay.pp]) for s in range(lay.pp))
+    chunks = stage_chunks(lay, 0)[1]
+    sizes = (runner.cut or even)(shape.layers, chunks)
+    return tuple(sum(sizes[c] for c in stage_chunks(lay, s)[0]) for s in range(lay.pp))
 
 
 @functools.lru_cache(maxsize=None)
@@ -425,15 +409,16 @@ def _params_cut(shape: TransformerShape, pp: int) -> Tuple[int, ...]:
 def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, global_batch: int,
                   runner: Runner = Runner()) -> Prediction:
     """The step of ``shape`` laid out as ``lay`` on ``lay.gpus`` of ``device`` at ``global_batch``
-    sequences, as a :class:`~.predict.Prediction`: ``memory`` holds the first stage's rank 0 and the
-    last stage's first rank; ``memory_parts`` the state, FSDP's gathered weights, the first stage's
-    kept activations, and the two peaks of which a stage holds the larger (not their sum): a block's
-    backward and the loss's backward, and with ``runner.pipeline_buffers`` the first stage's
-    "pipeline buffers"; ``by_kind`` the step's seconds by kind on the slowest stage. ``runner``: the
-    software's own holdings (:class:`Runner`: this library's; :data:`TORCHTITAN`)."""
+    sequences, as a :class:`~.predict.Prediction`: ``memory`` holds each stage's first rank;
+    ``memory_parts`` the parts of the stage with the most: the state, FSDP's gathered weights, the
+    kept activations, the two peaks of which a stage holds the larger (not their sum) -- a block's
+    backward and the loss's backward (0 on a stage without the head) -- and with
+    ``runner.pipeline_buffers`` the "pipeline buffers"; ``by_kind`` the step's seconds by kind on the
+    slowest stage. ``runner``: the software (:class:`~.runners.Runner`: this library's;
+    :data:`~.runners.TORCHTITAN`)."""
     m = lay.micro_batches(global_batch)
     zbv = lay.schedule == "zbv"
-    counts = stage_layers(shape, lay)
+    counts = stage_layers(shape, lay, runner)
     moe_fraction = shape.moe_layers / shape.layers
     head = _head(shape, lay, device)
     dense, routed = _block(shape, lay, device, False), _block(shape, lay, device, True) if moe_fraction else None
@@ -459,8 +444,9 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     boundary = _tokens(shape, lay) * shape.hidden * item / lay.tp
     chunks = 2 if zbv else lay.virtual
     by_kind["pipeline sends"] = 2 * m * chunks * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
-    ends = (2, 0) if zbv else (1, 1)          # the vocabularies of the first stage and the last
-    params = _rank_params(shape, lay, max(counts), moe_fraction, max(ends))
+    # each stage's weights: its blocks', the embedding's on the first, the head's on the head's stage
+    weights = [_rank_params(shape, lay, n, moe_fraction, (s == 0) + (s == head_stage)) for s, n in enumerate(counts)]
+    params = max(weights)
     shards = lay.dp * lay.cp
     inside = lay.gpus <= device.per_node
     data = 0.0
@@ -476,40 +462,37 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     def state_of(weights: float) -> float:
         held = weights / shards if lay.gathers_per_use else weights
         return held * (item + GRAD_BYTES) + weights / shards * MASTER_BYTES
-    state = state_of(_rank_params(shape, lay, counts[0], moe_fraction, ends[0]))
     # Gathered per use, the weights of a block and the head are gathered at once (the backward's
     # start: the head's, the last block's prefetched), and their gradients whole until their
     # reduce-scatter.
     gathered = _rank_params(shape, lay, 1, moe_fraction) * (item + GRAD_BYTES) if lay.gathers_per_use else 0.0
-    # the first stage holds 1F1B's warm-up, pp micro-batches -- interleaved, pp + (pp - 1) / virtual
-    # micro-batches' worth of its blocks (Megatron's warm-up of 2 (pp - 1) + (virtual - 1) pp chunks, and one);
-    # the last one. The zero-bubble schedules: pp on every stage (ZB-H1's later stages hold some only for
-    # their weight gradients, which read the linears' inputs and output gradients: counted whole).
-    every = lay.schedule != "1f1b"
-    in_flight = min(m, lay.pp if lay.virtual == 1 else lay.pp + (lay.pp - 1) / lay.virtual)
-    # a stage's peak: its kept activations and the larger of a block's backward and -- on the stage
-    # with the head -- the loss's (the loss's backward ends before the blocks' begin)
     per_block = activations_per_block(shape, lay)
     copies = runner.split_loss_logits if lay.tp > 1 else LOSS_LOGITS_COPIES
     logits, piped = cached_logits_bytes(shape, lay), runner.pipeline_buffers and lay.pp > 1
     # kept by torch.distributed.pipelining, every micro-batch's logits are among its buffers: none is
     # a freed block the allocator keeps
     backward, loss = block_backward_bytes(shape, lay), loss_bytes(shape, lay, copies) + (0.0 if piped else logits)
-    held = (in_flight, in_flight if every else 1)
-    buffers = [pipeline_buffer_bytes(lay, s, m, h, boundary, logits) if piped else 0.0
-               for s, h in zip((0, lay.pp - 1), held)]
-    first = state + gathered + counts[0] * per_block * held[0] + max(backward, loss if zbv else 0.0) + buffers[0]
-    last = (state_of(_rank_params(shape, lay, counts[-1], moe_fraction, ends[1])) + gathered
-            + counts[-1] * per_block * held[1] + max(backward, 0.0 if zbv else loss) + buffers[1])
-    memory = {0: int(first), lay.gpus - lay.gpus // lay.pp: int(last)} if lay.pp > 1 else {0: int(max(first, last))}
+    stages = []
+    for s, n in enumerate(counts):
+        held = held_micro_batches(lay, m, s)
+        # a stage's peak: its kept activations and the larger of a block's backward and -- on the
+        # stage with the head -- the loss's (the loss's backward ends before the blocks' begin)
+        parts = {"weights, gradients and optimizer state": state_of(weights[s]), "gathered weights": gathered,
+                 "activations": n * per_block * held, "block backward": backward,
+                 "loss backward": loss if s == head_stage else 0.0}
+        if piped:
+            parts["pipeline buffers"] = pipeline_buffer_bytes(lay, s, m, held, boundary, logits)
+        stages.append(parts)
+    def peak(parts: dict) -> float:
+        return sum(parts.values()) - min(parts["block backward"], parts["loss backward"])
+    memory = {s * lay.gpus // lay.pp: int(peak(parts)) for s, parts in enumerate(stages)}
+    top = max(stages, key=peak)
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
     shown = by_kind.get("communication", 0.0) + by_kind["pipeline sends"] + data
     compute = sum(by_kind.get(k, 0.0) for k in ("matmul", "attention", "memory", "optimizer"))
     head_s = steps * head.busy()
     return Prediction(device.name, seconds, 0, compute, shown, by_kind.get("hidden communication", 0.0), 0.0, memory,
-                      {"weights, gradients and optimizer state": int(state), "gathered weights": int(gathered),
-                       "activations": int(counts[0] * per_block * in_flight), "block backward": int(backward),
-                       "loss backward": int(loss)} | ({"pipeline buffers": int(buffers[0])} if buffers[0] else {}),
+                      {k: int(v) for k, v in top.items()},
                       tokens / seconds, mfu, {k: v for k, v in by_kind.items() if v > 0},
                       {"blocks": steps * micro - head_s, "head": head_s, "optimizer": by_kind["optimizer"]})
