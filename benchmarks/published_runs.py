@@ -16,9 +16,9 @@ their authors measured.
   96 GB HBM2e, torch of 2024-12-23): each run's per-GPU memory predicted from its layout as torchtitan
   ran it (FSDP's weights gathered once a step within a pipeline, ``pipeline_parallel_microbatches``
   defaulting to the stage count, its selective or full activation checkpointing, DTensor's
-  ``loss_parallel()`` and torch.distributed.pipelining's buffers: ``TORCHTITAN``), against the
-  published figure -- the allocator's peak *reserved* bytes, where the model counts the tensors
-  alive and, of the allocator's blocks beyond them, the bf16 logits'. And the run that published
+  ``loss_parallel()``, torch.distributed.pipelining's buffers and its split points: ``TORCHTITAN``),
+  against the published figure -- the allocator's peak *reserved* bytes, where the model counts the
+  tensors alive and, of the allocator's blocks beyond them, the bf16 logits'. And the run that published
   an out-of-memory (405B on 128 H100s with FSDP alone) must never be predicted to fit, nor a run
   that trained predicted not to.
 - **Planning time**: ``plan_at_scale`` over every degree for Llama 3.1 405B on 1,024 H100s and 8B
@@ -164,7 +164,7 @@ def calibration_sensitivity() -> str:
 def titan_predictions():
     """Each of torchtitan's published runs with its prediction on its H100s, run by torchtitan's
     software (``TORCHTITAN``: DTensor's ``loss_parallel()`` wherever it runs tensor parallel,
-    torch.distributed.pipelining's buffers)."""
+    torch.distributed.pipelining's buffers, its split points)."""
     return [(row, predict_scale(row[2], row[3], TITAN_H100, row[4], TORCHTITAN)) for row in TITAN]
 
 

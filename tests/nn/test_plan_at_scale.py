@@ -226,13 +226,13 @@ def test_a_zero_bubble_layout_holds_what_its_schedule_does():
     """ZB-H1 holds 1F1B's micro-batches on its first stage (pp) and pp on its last too (counted whole,
     where 1F1B's holds one); zbv pp on every stage, its first stage the embedding, the head and the
     loss's peak as well (where a block's backward was the larger); both for less bubble than 1F1B's."""
+    from globaltensor.nn.auto.scale_model import activations_per_block, block_backward_bytes, cached_logits_bytes, loss_bytes
     shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
     device = gnn.DEVICES["H100"]
     one, zb, zbv = (predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, schedule=s), device, 64)
                     for s in ("1f1b", "zero_bubble", "zbv"))
     assert zbv.by_kind["pipeline bubble"] < zb.by_kind["pipeline bubble"] < one.by_kind["pipeline bubble"]
     assert zbv.seconds < one.seconds and zb.seconds < one.seconds
-    from globaltensor.nn.auto.scale_model import activations_per_block, block_backward_bytes, cached_logits_bytes, loss_bytes
     lay = gnn.ScaleLayout(dp=2, tp=4, pp=4)
     last = max(one.memory)
     loss, backward = loss_bytes(shape, lay) + cached_logits_bytes(shape, lay), block_backward_bytes(shape, lay)

@@ -1,9 +1,9 @@
 """A training step's time and memory at scale, from a transformer's shape and a layout of degrees.
 
 Where ``auto_plan`` runs the step once per candidate on a simulated world of the placement's size,
-this model costs a layout of thousands of GPUs on one representative rank per role -- a rank of the
-first pipeline stage (which holds the most micro-batches' activations) and one of the last (which
-also computes the head) -- with the world's size a parameter. Megatron-LM's layout is assumed:
+this model costs a layout of thousands of GPUs on one representative rank per role -- a rank of
+each pipeline stage (the first holds the most micro-batches' activations, the last also computes
+the head) -- with the world's size a parameter. Megatron-LM's layout is assumed:
 tensor parallelism within a node with sequence parallelism (the activations between blocks split
 over the tensor ranks), context parallelism as ring attention, experts over ``ep`` of the data
 ranks, 1F1B pipelining (interleaved over ``virtual`` chunks a stage) or this library's zero-bubble
@@ -41,7 +41,7 @@ activations for the micro-batches the schedule holds there (:func:`activations_p
 :func:`held_micro_batches`), and the larger of two peaks that never meet -- a
 block's backward (:func:`block_backward_bytes`) and, on the stage with the head, the loss's
 (:func:`loss_bytes`, with the allocator's block of the bf16 logits: :func:`cached_logits_bytes`),
-and what the software running the step holds beyond the layout's tensors (:class:`Runner`:
+and what the software running the step holds beyond the layout's tensors (:class:`~.runners.Runner`:
 DTensor's loss, torch.distributed.pipelining's buffers and its own cut for torchtitan's runs:
 :data:`~.runners.TORCHTITAN`).
 """
