@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ LLAMA_405B = LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_
 #: Llama 3.1 8B's shape as TransformerShape.of reads it, at sequences of 8,192
 LLAMA_8B_SHAPE = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
                                       seq=8192)
+#: the same at sequences of 4,096
+LLAMA_8B_4K = replace(LLAMA_8B_SHAPE, seq=4096)
 
 
 def _meta(model_class, config):
@@ -143,7 +146,7 @@ def test_a_deepseek_v3_shape_plans_with_its_experts_split_where_asked():
 def test_memory_grows_with_the_pipelines_warm_up_and_shrinks_with_recomputation():
     """1F1B's first stage holds pp micro-batches' activations, its last one; full recomputation keeps
     each block's input alone."""
-    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
+    shape = LLAMA_8B_4K
     device = gnn.DEVICES["H100"]
     kept = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4), device, 64)
     recomputed = predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, recompute="full"), device, 64)
@@ -160,7 +163,7 @@ def test_torchtitans_runner_adds_dtensors_fourth_logits_and_the_pipelines_buffer
     from globaltensor.nn.auto.runners import TORCHTITAN
     from globaltensor.nn.auto.scale_model import (block_backward_bytes, cached_logits_bytes, held_micro_batches,
                                                   loss_bytes, pipeline_buffer_bytes)
-    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
+    shape = LLAMA_8B_4K
     lay = gnn.ScaleLayout(dp=2, tp=4, pp=4, virtual=virtual, recompute="full")
     device = gnn.DEVICES["H100"]
     ours, titan = (predict_scale(shape, lay, device, 64, *runner) for runner in ((), (TORCHTITAN,)))
@@ -194,7 +197,7 @@ def test_torchtitans_cut_is_its_split_points_of_2024():
     assert titan_cut(126, 8) == [15, 16, 16, 16, 16, 16, 16, 15]
     assert titan_cut(126, 16) == [7] + [8] * 14 + [7]
     assert titan_cut(7, 4) == [1, 2, 2, 2] and titan_cut(32, 4) == [8] * 4 and titan_cut(5, 1) == [5]
-    llama_405b = gnn.TransformerShape(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq=8192)
+    from published_runs import LLAMA_405B as llama_405b
     assert stage_layers(llama_405b, gnn.ScaleLayout(dp=8, tp=8, pp=8), TORCHTITAN) == (15, 16, 16, 16, 16, 16, 16, 15)
     assert stage_layers(llama_405b, gnn.ScaleLayout(dp=8, tp=8, pp=8, virtual=2), TORCHTITAN) == (15,) + (16,) * 6 + (15,)
     assert stage_layers(llama_405b, gnn.ScaleLayout(dp=8, tp=8, pp=8)) == (16,) * 6 + (15, 15)
@@ -227,7 +230,7 @@ def test_a_zero_bubble_layout_holds_what_its_schedule_does():
     where 1F1B's holds one); zbv pp on every stage, its first stage the embedding, the head and the
     loss's peak as well (where a block's backward was the larger); both for less bubble than 1F1B's."""
     from globaltensor.nn.auto.scale_model import activations_per_block, block_backward_bytes, cached_logits_bytes, loss_bytes
-    shape = gnn.TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096)
+    shape = LLAMA_8B_4K
     device = gnn.DEVICES["H100"]
     one, zb, zbv = (predict_scale(shape, gnn.ScaleLayout(dp=2, tp=4, pp=4, schedule=s), device, 64)
                     for s in ("1f1b", "zero_bubble", "zbv"))

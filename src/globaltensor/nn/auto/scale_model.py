@@ -442,7 +442,7 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     c = _Costs(device, shape.dtype)
     item = shape.dtype.itemsize
     boundary = _tokens(shape, lay) * shape.hidden * item / lay.tp
-    chunks = 2 if zbv else lay.virtual
+    chunks = len(stage_chunks(lay, 0)[0])
     by_kind["pipeline sends"] = 2 * m * chunks * c.collective(2 * boundary, 2, False) if lay.pp > 1 else 0.0
     # each stage's weights: its blocks', the embedding's on the first, the head's on the head's stage
     weights = [_rank_params(shape, lay, n, moe_fraction, (s == 0) + (s == head_stage)) for s, n in enumerate(counts)]
@@ -459,9 +459,9 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
     by_kind["data-parallel communication"] = data
     by_kind["optimizer"] = c.memory(params / shards * (GRAD_BYTES + 2 * MASTER_BYTES + item), 8)
     seconds = steps * micro + by_kind["pipeline sends"] + data + by_kind["optimizer"]
-    def state_of(weights: float) -> float:
-        held = weights / shards if lay.gathers_per_use else weights
-        return held * (item + GRAD_BYTES) + weights / shards * MASTER_BYTES
+    def state_of(stage_weights: float) -> float:
+        held = stage_weights / shards if lay.gathers_per_use else stage_weights
+        return held * (item + GRAD_BYTES) + stage_weights / shards * MASTER_BYTES
     # Gathered per use, the weights of a block and the head are gathered at once (the backward's
     # start: the head's, the last block's prefetched), and their gradients whole until their
     # reduce-scatter.
