@@ -48,16 +48,20 @@ def _dispatched(step) -> int:
 
 def _through_dispatcher(step):
     """``step`` with AdamW's update on global tensors op by op through the dispatcher (its path before
-    the update on pieces)."""
+    the update on pieces): its lists global (none kept as pieces) and its update the original."""
+    import torch
     import torch.optim.adam as adam_module
+    from globaltensor.nn import optim_groups
 
     def run():
         on_pieces = adam_module.adam
         adam_module.adam = on_pieces.on_globals
+        optim_groups.ON_PIECES.discard(torch.optim.AdamW)
         try:
             step()
         finally:
             adam_module.adam = on_pieces
+            optim_groups.ON_PIECES.add(torch.optim.AdamW)
     return run
 
 

@@ -400,6 +400,26 @@ def box(t: GlobalTensor, target: Layout) -> GlobalTensor:
     return GlobalTensor(target, pieces)
 
 
+class _Rebinds:
+    count = 0
+
+
+_rebinds = _Rebinds()
+
+
+def rebind_piece(t: GlobalTensor, rank: int, piece: torch.Tensor) -> None:
+    """Give the existing tensor ``t`` a new piece at ``rank``, in place (a compiled call's results bound to
+    the wrappers that outlive it). Every other piece a tensor holds was given when it was made, so what
+    keeps a tensor's pieces beyond one call (nn/kept_pieces.py) compares :func:`piece_rebinds`."""
+    t._pieces[rank] = piece
+    _rebinds.count += 1
+
+
+def piece_rebinds() -> int:
+    """How many pieces :func:`rebind_piece` has replaced in this process."""
+    return _rebinds.count
+
+
 def write_into(target: GlobalTensor, value: torch.Tensor) -> None:
     """Write ``value`` (a global tensor, or a plain one taken as broadcast) into ``target``'s own pieces:
     boxed into ``target``'s layout, copied into each piece that is not already the one boxed."""

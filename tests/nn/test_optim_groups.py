@@ -67,16 +67,45 @@ def _init_group_of(opt, group) -> tuple:
     return lists, opt._init_group(group, *lists)
 
 
+def _order(held: list) -> list:
+    """The (element, rank) positions of the update's call on pieces: ranks outermost where every
+    parameter shares one placement, else each element's ranks in turn."""
+    if len({p.placement for p in held}) == 1:
+        return [(i, r) for r in held[0].local_tensors() for i in range(len(held))]
+    return [(i, r) for i, p in enumerate(held) for r in p.local_tensors()]
+
+
+def _same_as_pieces(ours: list, theirs: list, order: list, what: str) -> None:
+    """``ours`` (kept pieces, nn/kept_pieces.py) is torch's list ``theirs`` over ``order``: each global
+    tensor's pieces; a plain state itself at its element's first position, an equal copy at the others."""
+    assert len(ours) == len(order), what
+    seen = set()
+    for j, (i, r) in enumerate(order):
+        want = theirs[i]
+        if isinstance(want, gt.GlobalTensor):
+            assert ours[j] is want.local_tensors()[r], f"{what}, position {j}"
+        elif i in seen:
+            assert ours[j] is not want and torch.equal(ours[j], want), f"{what}, position {j}"
+        else:
+            assert ours[j] is want, f"{what}, position {j}"
+        seen.add(i)
+
+
 def _lists_as_torchs(opt) -> None:
-    """Each group's lists from the wrapped loop equal torch's loop's, element by element (identity)."""
+    """Each group's lists from the wrapped loop equal torch's loop's, element by element (identity) --
+    or, where they are kept as pieces, torch's lists' pieces."""
     for group in opt.param_groups:
         torch_loop = type(opt)._init_group.torch_init_group
         ours, got = _init_group_of(opt, group)
         theirs = _empty_lists(opt)
         want = torch_loop(opt, group, *theirs)
         assert got == want
+        on_pieces = bool(ours[0]) and not isinstance(ours[0][0], gt.GlobalTensor)
         for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert len(a) == len(b) and all(x is y for x, y in zip(a, b)), f"list {i}"
+            if on_pieces and b:
+                _same_as_pieces(a, b, _order(theirs[0]), f"list {i}")
+            else:
+                assert len(a) == len(b) and all(x is y for x, y in zip(a, b)), f"list {i}"
 
 
 def _loop_makes_states(name: str, mode: str) -> bool:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.nn import optim_pieces
+from globaltensor.nn import optim_groups, optim_pieces
 from globaltensor.tensor import GlobalTensor
 from optimizer_settings import FUSED, OPTIMIZERS, WHOLE_OPTIMIZERS
 
@@ -74,12 +74,17 @@ def _whole_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.fixture
 def through_dispatch(monkeypatch):
-    """The present path: every functional update its original, op by op through the dispatcher."""
+    """The present path: every functional update its original, op by op through the dispatcher, on
+    global lists (none kept as pieces, nn/kept_pieces.py)."""
+    kept = set(optim_groups.ON_PIECES)
+
     def use():
         for name in optim_pieces.ELEMENTWISE:
             module = importlib.import_module(f"torch.optim.{name}")
             monkeypatch.setattr(module, name, getattr(module, name).on_globals)
-    return use
+        optim_groups.ON_PIECES.clear()
+    yield use
+    optim_groups.ON_PIECES.update(kept)
 
 
 @pytest.mark.parametrize("name,mode", CASES)

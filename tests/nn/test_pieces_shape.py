@@ -20,10 +20,11 @@ NAMES = list(inspect.signature(ADAM).parameters)
 
 
 def _adam_arguments(opt) -> dict:
-    """The arguments Adam's step passes its update, from the optimizer's own loop."""
+    """The arguments Adam's step passes its update, from torch's own loop (global lists: the reused
+    lists of a later step are pieces already, nn/kept_pieces.py)."""
     group = opt.param_groups[0]
     lists = ([], [], [], [], [], [])
-    opt._init_group(group, *lists)
+    type(opt)._init_group.torch_init_group(opt, group, *lists)
     bound = dict(zip(NAMES, lists))
     bound.update(amsgrad=False, has_complex=False, beta1=0.9, beta2=0.999, lr=group["lr"], weight_decay=0.0,
                  eps=1e-8, maximize=False, foreach=group["foreach"], capturable=False, differentiable=False,

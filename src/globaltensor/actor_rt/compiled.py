@@ -28,7 +28,7 @@ from ..nn.fed_numbers import FedNumber
 from ..nn.grad_buckets import GradBuckets
 from ..ops import rng
 from ..ops.schema.args import SCALARS
-from ..tensor import GlobalTensor
+from ..tensor import GlobalTensor, rebind_piece
 from .capture import capture
 from .cuda_graphs import graph_backend
 from .graph_views import PlanView, chrome_trace, dot
@@ -276,7 +276,7 @@ class CompiledFunction:
         for wref, r, s in graph.rebinds:
             t = wref()
             if t is not None:
-                t._pieces[r] = graph.value(row, feed, s)
+                rebind_piece(t, r, graph.value(row, feed, s))
         for i, layout, slots in graph.grad_rebinds:
             leaves[i].grad = GlobalTensor(layout, {r: graph.value(row, feed, s) for r, s in slots.items()})
         spec = graph.out_spec

@@ -21,8 +21,13 @@ gradients and states by those positions, and returns what the loop returned. Oth
 again, watched. Examples: a partial gradient to reduce, a state made or replaced, a changed
 setting, a parameter added.
 
-Nothing is held but the parameters (the optimizer holds them too): each call reads the gradients and
-the states anew. A gradient freed by ``zero_grad`` stays freed, and no list carries a stale tensor.
+An optimizer of a class whose step passes its lists to its update only (:data:`ON_PIECES`: torch's
+elementwise ones but SGD) takes them as pieces while the update would run eagerly on pieces: the
+lists the update's call takes, kept between steps with only the new gradients' pieces taken at each
+(nn/kept_pieces.py). Else nothing is held but the parameters (the optimizer holds them too): each
+call reads the gradients and the states anew. Either way a gradient freed by ``zero_grad`` stays
+freed, and no list carries a stale tensor; ``load_state_dict`` forgets an optimizer's lists.
+
 Only an optimizer whose ``state`` is torch's own ``defaultdict`` is watched: a mapping of its own (a
 ``ZeroOptimizer``'s inner optimizer reads its parameters' states by their shards) may find a state
 that ``state.get`` would not.
@@ -39,6 +44,8 @@ import torch
 
 from ..compat.dynamo import inlined_wrapper
 from ..tensor import GlobalTensor, _grad_slot
+from . import mapped_call
+from .kept_pieces import KeptPieces
 from .pieces_shape import layout_of
 
 #: group settings a loop reads for their kind only: ``lr`` -- Adam's loop refuses a tensor ``lr`` with
@@ -86,6 +93,7 @@ class _Made:
         have = set(took or ())
         self.present = None if took is None else [i in have for i in range(len(params))]
         self.lens, self.keys, self.settings, self.positions, self.returned = lens, keys, settings, positions, returned
+        self.kept: Optional[KeptPieces] = None
 
     @staticmethod
     def of(opt, group: dict, lists: tuple, read: list, returned) -> Optional["_Made"]:
@@ -128,17 +136,17 @@ class _Made:
         except AttributeError:
             return False
 
-    def fill(self, opt, group: dict, lists: tuple) -> bool:
-        """Fill ``lists`` as the loop would, if nothing it reads changed; else False."""
+    def now(self, opt, group: dict) -> Optional[tuple]:
+        """``(params, grads, held, given, states)`` as they are now, if nothing the loop reads changed; else None."""
         params = group["params"]
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
-            return False
+            return None
         grads = list(map(_grad_of, params))
         if self.took is None:
             held, given = params, grads
         else:
             if list(map(operator.is_not, grads, repeat(None))) != self.present:
-                return False
+                return None
             held = list(map(params.__getitem__, self.took))
             given = list(map(grads.__getitem__, self.took))
         if not self._in_layouts(held, given):
@@ -147,28 +155,44 @@ class _Made:
             grads = [None if g is None else p.grad for p, g in zip(params, grads)]
             given = grads if self.took is None else list(map(grads.__getitem__, self.took))
             if not self._in_layouts(held, given):
-                return False
+                return None
         states = list(map(opt.state.get, held, repeat(_NO_STATE)))
         if list(map(len, states)) != self.lens or list(chain.from_iterable(states)) != self.keys:
-            return False
+            return None
         if not all(_same_setting(k, group.get(k), v) for k, v in self.settings):
-            return False
+            return None
+        return params, grads, held, given, states
+
+    def fill(self, now: tuple, lists: tuple, on_pieces: bool) -> None:
+        """Fill ``lists`` as the loop would, from what :meth:`now` read: of global tensors, or where
+        ``on_pieces``, of their pieces (nn/kept_pieces.py)."""
+        params, grads, held, given, states = now
+        if on_pieces and self.kept is not None and self.kept.fill(held, given, states, lists):
+            return
         flat = [*params, *grads, *chain.from_iterable(map(dict.values, states)), None]
         for made, at in zip(lists, self.positions):
             made.extend(map(flat.__getitem__, at))
-        return True
+        if on_pieces:
+            self.kept = KeptPieces.of(held, given, states, lists)
+            if self.kept is not None:
+                self.kept.into(lists, given)
 
 
 #: optimizer -> {id(group): _Made}
 _made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _lists(init_group: Callable, opt, group: dict, lists: tuple):
-    """``init_group(opt, group, *lists)``'s result and lists: reused (:meth:`_Made.fill`) or made, watched."""
+def _lists(init_group: Callable, opt, group: dict, lists: tuple, on_pieces: bool):
+    """``init_group(opt, group, *lists)``'s result and lists: reused (:meth:`_Made.fill`; where
+    ``on_pieces`` and the update would run eagerly, as pieces) or made, watched."""
     made = _made.get(opt)
     entry = None if made is None else made.get(id(group))
-    if entry is not None and entry.group is group and not any(lists) and entry.fill(opt, group, lists):
-        return entry.returned
+    if entry is not None and entry.group is group and not any(lists):
+        now = entry.now(opt, group)
+        if now is not None:
+            entry.fill(now, lists, on_pieces and _eager_update(opt, group))
+            return entry.returned
+        entry.kept = None               # let go of the pieces kept before the loop makes new states
     params = group["params"]
     if not params or type(params[0]) is not GlobalTensor or group.get("differentiable") \
             or type(opt.state) is not defaultdict or not all(type(v) is list and not v for v in lists):
@@ -178,6 +202,7 @@ def _lists(init_group: Callable, opt, group: dict, lists: tuple):
     entry = _Made.of(opt, group, lists, watched.read, returned)
     if made is None:
         made = _made[opt] = {}
+        opt.register_load_state_dict_pre_hook(_forget)
     live = {id(g) for g in opt.param_groups}
     for stale in [k for k in made if k not in live]:
         del made[stale]
@@ -188,13 +213,37 @@ def _lists(init_group: Callable, opt, group: dict, lists: tuple):
     return returned
 
 
+def _forget(opt, state_dict) -> None:
+    """``load_state_dict``'s pre-hook: the optimizer's lists are made anew, and the pieces kept of its
+    states let go before the new states are made."""
+    _made[opt].clear()
+
+
+def _eager_update(opt, group: dict) -> bool:
+    """Whether the update would run now on pieces with nothing global beside its lists: no capture
+    records it (``gt.compile``), and neither GradScaler's tensors on the optimizer nor the group's
+    settings are global."""
+    return mapped_call._capture is None and type(getattr(opt, "grad_scale", None)) is not GlobalTensor \
+        and type(getattr(opt, "found_inf", None)) is not GlobalTensor and _GLOBAL.isdisjoint(map(type, group.values()))
+
+
+#: the classes whose step passes its lists to its update only, which runs on pieces: an optimizer of
+#: exactly one of them takes its lists as pieces (nn/kept_pieces.py; :func:`lists_on_pieces`)
+ON_PIECES: set = set()
+
 #: the wrapper's code (:func:`reused_lists`)
 _WRAPPER = """
 def _init_group(self, group, *lists):
     if is_compiling():
         return fn(self, group, *lists)
-    return made_lists(fn, self, group, lists)
+    return made_lists(fn, self, group, lists, type(self) in on_pieces)
 """
+
+
+def lists_on_pieces(cls: type) -> None:
+    """Let an optimizer of exactly ``cls`` (a subclass's step is its own code) take its lists as pieces:
+    ``cls``'s step passes them to its update and reads them nowhere else."""
+    ON_PIECES.add(cls)
 
 
 def reused_lists(cls: type) -> None:
@@ -203,7 +252,8 @@ def reused_lists(cls: type) -> None:
     fn = cls.__dict__["_init_group"]
     if hasattr(fn, "torch_init_group"):
         return
-    namespace = {"fn": fn, "made_lists": _lists, "is_compiling": torch.compiler.is_compiling}
+    namespace = {"fn": fn, "made_lists": _lists, "is_compiling": torch.compiler.is_compiling,
+                 "on_pieces": ON_PIECES}
     wrapper = inlined_wrapper(_WRAPPER, "_init_group", namespace, f"{cls.__name__}._init_group, reused")
     wrapper.__doc__, wrapper.torch_init_group = fn.__doc__, fn
     cls._init_group = wrapper

@@ -65,14 +65,18 @@ from ..compat.dynamo import inlined_wrapper
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, write_into
 from . import mapped_call
-from .optim_groups import reused_lists
-from .pieces_shape import CallShape, Shapes, dim_of, layout_of, order_of, pieces_of
+from .optim_groups import lists_on_pieces, reused_lists
+from .pieces_shape import (CallShape, Shapes, dim_of, layout_of, order_of, pieces_of, states_over_order,
+                           with_placeholders)
 
 #: the torch.optim modules whose functional update (the module's own name) is elementwise
 ELEMENTWISE = ("sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop")
 #: the torch.optim modules whose functional update reads each parameter whole (Muon's Newton-Schulz
 #: matmuls, Adafactor's norms and factored row / column statistics): their module -> function name
 WHOLE = {"_muon": "muon", "_adafactor": "adafactor"}
+#: the elementwise classes whose step reads its lists after the update: SGD writes each momentum buffer
+#: back into the state by its parameter (their lists stay global; nn/kept_pieces.py)
+READS_ITS_LISTS = frozenset({"SGD"})
 #: number settings an optimizer reads only to make a state (Rprop's step sizes start at ``lr``), never in
 #: its update: a graph holds its states, so a change needs no capture (tests/nn/test_optim_pieces.py
 #: checks that every other number setting reaches the update)
@@ -100,8 +104,12 @@ def install_optimizer_pieces() -> None:
         if callable(fn) and not hasattr(fn, "on_globals"):
             setattr(module, name, _stepping_pieces(fn, whole))
         for cls in vars(module).values():
-            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and "_init_group" in vars(cls):
+            if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+                continue
+            if "_init_group" in vars(cls):
                 reused_lists(cls)
+            if not whole and cls.__module__ == module.__name__ and cls.__name__ not in READS_ITS_LISTS:
+                lists_on_pieces(cls)
     if not _stepping.hooked:
         register_optimizer_step_pre_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", opt))
         register_optimizer_step_post_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", None))
@@ -273,20 +281,13 @@ class PiecesCall:
         shape, call, at = self.shape, {}, 0
         for k in shape.lists:
             if k in shape.plain:
-                own = list(tensors[at:at + shape.n])
+                call[k] = states_over_order(list(tensors[at:at + shape.n]), shape.plain_order, shape.copies)
                 at += shape.n
-                if shape.plain_order is not None:
-                    own = [own[i].clone() if copy else own[i] for i, copy in zip(shape.plain_order, shape.copies)]
-                call[k] = own
                 continue
             pieces = list(tensors[at:at + shape.counts[k]])
             at += shape.counts[k]
-            if k in shape.holes:
-                call[k] = self._with_holes(pieces, shape.holes[k])
-                continue
-            for j, dtype, device in shape.placeholders:
-                pieces.insert(j, torch.empty(0, dtype=dtype, device=device))
-            call[k] = pieces
+            call[k] = self._with_holes(pieces, shape.holes[k]) if k in shape.holes else \
+                with_placeholders(pieces, shape.placeholders)
         for k in shape.tensor_args:
             call[k] = tensors[at]
             at += 1

@@ -48,18 +48,9 @@ class CallShape:
         self.empty = [k for k in self.others if type(bound[k]) is list]
         self.tensor_args = [k for k in self.others if isinstance(bound[k], torch.Tensor)]
         self.setting_names = [k for k in self.others if k not in self.tensor_args]
-        self.placeholders = [(j, params[i].dtype, params[i].device) for j, (i, r) in enumerate(order) if r is None]
+        self.placeholders = placeholders_of(params, order)
         self.counts = {k: len(columns[k]) for k in lists if k not in plain}     # pieces per global list
-        # a plain list's state at each position of the order: its own (at the element's first held
-        # position) or a copy, made at the call; with one position per element, the list as given
-        self.copies = self.plain_order = None
-        if len(order) != self.n:
-            seen: set = set()
-            self.copies = []
-            for i, _ in order:
-                self.copies.append(i in seen)
-                seen.add(i)
-            self.plain_order = [i for i, _ in order]
+        self.plain_order, self.copies = copies_of(order, self.n)
 
     def fits(self, bound: dict) -> bool:
         """Whether a later call's arguments have this shape (the module docstring's checks)."""
@@ -130,3 +121,37 @@ def pieces_of(values: list, order: list, ranks: Optional[list]) -> list:
             out.extend(map(operator.itemgetter(r), map(_PIECES, values)))
     return out
 
+
+
+def placeholders_of(params: list, order: list) -> list:
+    """``[(position, dtype, device)]``: the positions of the order where no rank of the element is held
+    here, each to take an empty tensor of its parameter's dtype and device."""
+    return [(j, params[i].dtype, params[i].device) for j, (i, r) in enumerate(order) if r is None]
+
+
+def with_placeholders(pieces: list, placeholders: list) -> list:
+    """``pieces`` (a global list's, placeholders left out) with an empty tensor at each placeholder's position."""
+    for j, dtype, device in placeholders:
+        pieces.insert(j, torch.empty(0, dtype=dtype, device=device))
+    return pieces
+
+
+def copies_of(order: list, n: int) -> tuple:
+    """``(elements, copies)``: a plain list's state at each position of the order is its element's own (at
+    the element's first position) or a copy made for the call. With one position per element (``n``),
+    ``(None, None)``: the list as given."""
+    if len(order) == n:
+        return None, None
+    seen: set = set()
+    copies = []
+    for i, _ in order:
+        copies.append(i in seen)
+        seen.add(i)
+    return [i for i, _ in order], copies
+
+
+def states_over_order(own: list, elements: Optional[list], copies: Optional[list]) -> list:
+    """A plain list's states over the order (:func:`copies_of`), the copies made now."""
+    if elements is None:
+        return own
+    return [own[i].clone() if copy else own[i] for i, copy in zip(elements, copies)]

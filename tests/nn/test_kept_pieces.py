@@ -1,0 +1,276 @@
+"""An elementwise optimizer's lists kept as pieces between steps (nn/kept_pieces.py): from its second step
+its update takes plain lists (GradScaler's plain tensors beside them); where the step reads its lists
+(SGD), is a subclass's, or the update would take a global tensor beside them, they stay global; and whatever replaces what was kept --
+a state's tensor, a loaded state dict, a parameter's pieces (``swap_tensors``, as a module's ``to``
+does), a piece a compiled call rebinds -- is stepped, not the old pieces.
+
+Results are compared with plain torch on one device in float64: the update runs torch's own kernels on
+pieces, within the rounding test_optim_pieces.py derives (32 u of the tensor's scale).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import importlib
+import weakref
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.nn import optim_groups
+from globaltensor.tensor import rebind_piece
+from optimizer_settings import FUSED, OPTIMIZERS
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+MODES = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+KEPT = [(name, mode) for name in OPTIMIZERS if name != "SGD" for mode in MODES if mode != "fused" or name in FUSED]
+SHAPES = [(10, 6), (9,), (6, 10)]
+
+
+def _layouts():
+    p2, sub = gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [2, 3])
+    return [(p2, (S(0), B)), (p2, (B, S(0))), (sub, (S(1),))]
+
+
+def _values(seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, dtype=torch.float64, generator=g) for s in SHAPES]
+
+
+def _pair(values: list) -> tuple:
+    """The same values as plain parameters and as global ones."""
+    plain = [v.clone().requires_grad_() for v in values]
+    ours = [gt.distribute(v.clone(), pl, sbp).requires_grad_() for v, (pl, sbp) in zip(values, _layouts())]
+    return plain, ours
+
+
+def _step(opt, params, step: int) -> None:
+    for p, g in zip(params, _values(100 + step)):
+        p.grad = gt.distribute(g, p.placement, p.sbp) if isinstance(p, gt.GlobalTensor) else g
+    opt.step()
+
+
+def _close(ours: list, plain: list) -> None:
+    for i, (p, w) in enumerate(zip(ours, plain)):
+        want = w.detach()
+        scale = max(float(want.abs().max()), 1.0)
+        torch.testing.assert_close(p.full_tensor(), want, rtol=0, atol=32 * torch.finfo(want.dtype).eps * scale,
+                                   msg=f"parameter {i}")
+
+
+def _recorded_steps(handed, plain_side: tuple, global_side: tuple, steps: int) -> list:
+    """``steps`` steps of each side's ``(optimizer, parameters)``, plain torch's first, the global side's
+    update recorded (:func:`handed`); the parameters compared; the calls."""
+    (want, plain), (opt, ours) = plain_side, global_side
+    for step in range(steps):
+        _step(want, plain, step)
+    calls = handed(opt)
+    for step in range(steps):
+        _step(opt, ours, step)
+    _close(ours, plain)
+    return calls
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """The kinds of tensor each call of an optimizer's functional update was handed, per call:
+    ``"global"`` or ``"plain"`` (its parameters' list)."""
+    calls: list = []
+
+    def watch(opt):
+        module = importlib.import_module(type(opt).step.__module__)
+        name = module.__name__.rsplit(".", 1)[-1]
+        update = getattr(module, name)
+
+        def recorded(params, *args, **kwargs):
+            calls.append("global" if isinstance(params[0], gt.GlobalTensor) else "plain")
+            return update(params, *args, **kwargs)
+        monkeypatch.setattr(module, name, recorded)
+        return calls
+    return watch
+
+
+@pytest.mark.parametrize("name,mode", KEPT)
+def test_an_elementwise_update_takes_plain_lists_once_its_lists_are_reused(world4, handed, name, mode):
+    """The first step's loop makes the states (global lists); the next reuse of the lists keeps them as
+    pieces. (That is the second step, unless the states' making -- the parameter's first op -- gave the
+    parameter an equal layout object interned before, by an earlier test, which its gradient does not
+    have yet: then the lists are made once more.)"""
+    plain, ours = _pair(_values())
+    want = getattr(torch.optim, name)(plain, **OPTIMIZERS[name], **MODES[mode])
+    opt = getattr(torch.optim, name)(ours, **OPTIMIZERS[name], **MODES[mode])
+    calls = _recorded_steps(handed, (want, plain), (opt, ours), 5)
+    assert calls[0] == "global" and calls[2:] == ["plain"] * 3, calls
+
+
+class _OwnAdam(torch.optim.Adam):
+    """A subclass: its step is its own code, which may read the lists it makes."""
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, **OPTIMIZERS["SGD"]),
+                                  lambda ps: _OwnAdam(ps, lr=0.05)], ids=["SGD", "a subclass of Adam"])
+def test_a_step_that_may_read_its_lists_keeps_them_global(world4, handed, make):
+    """SGD's step writes each momentum buffer back into the state by its parameter; a subclass's step is
+    its own. Their lists stay global tensors (the update on pieces takes them as before)."""
+    plain, ours = _pair(_values())
+    want, opt = make(plain), make(ours)
+    assert _recorded_steps(handed, (want, plain), (opt, ours), 4) == ["global"] * 4
+    assert all(isinstance(s, gt.GlobalTensor) for p in ours for s in opt.state[p].values() if s is not None
+               and s.dim() > 0)
+
+
+def test_a_grad_scalers_fused_step_takes_plain_lists(world4, handed):
+    """A fused update takes GradScaler's plain ``grad_scale`` and ``found_inf`` beside the kept lists and
+    unscales the gradients' pieces; a step with an inf on one rank's piece is skipped on every rank."""
+    plain, ours = _pair(_values())
+    calls = None
+    for params in (plain, ours):
+        opt = torch.optim.AdamW(params, lr=0.05, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        if params is ours:
+            calls = handed(opt)
+        for step in range(6):
+            scaler.scale(torch.zeros(()))           # as scaling the loss would: the scale is made on first use
+            grads = [g * 1024.0 for g in _values(100 + step)]
+            if step == 4:
+                grads[0][9, 0] = float("inf")       # row 9 of S(0) over 2: the second rank row's piece only
+            for p, g in zip(params, grads):
+                p.grad = gt.distribute(g, p.placement, p.sbp) if isinstance(p, gt.GlobalTensor) else g
+            scaler.step(opt)
+            scaler.update()
+    assert calls[0] == "global" and calls[2:] == ["plain"] * 4, calls
+    _close(ours, plain)
+
+
+def test_a_global_setting_keeps_the_lists_global(world4, handed):
+    """A global learning-rate tensor goes to the update beside its lists: they stay global (the update
+    runs through the dispatcher, as on the pieces path)."""
+    plain, ours = _pair(_values())
+    lr = gt.distribute(torch.tensor(0.05, dtype=torch.float64), gt.placement("cpu", [0, 1, 2, 3]), B)
+    want = torch.optim.AdamW(plain, lr=torch.tensor(0.05, dtype=torch.float64), fused=True)
+    opt = torch.optim.AdamW(ours, lr=lr, fused=True)
+    assert _recorded_steps(handed, (want, plain), (opt, ours), 4) == ["global"] * 4
+
+
+def _kept_run(world, event, steps_after: int = 2):
+    """AdamW for 3 steps on both sides, ``event(opt, params)`` on each, then ``steps_after`` more steps;
+    the global side's optimizer and parameters, and the plain side's optimizer and parameters."""
+    plain, ours = _pair(_values())
+    sides = [(torch.optim.AdamW(plain, lr=0.05, weight_decay=0.1), plain),
+             (torch.optim.AdamW(ours, lr=0.05, weight_decay=0.1), ours)]
+    for step in range(3):
+        for opt, ps in sides:
+            _step(opt, ps, step)
+    for opt, ps in sides:
+        event(opt, ps)
+    for step in range(3, 3 + steps_after):
+        for opt, ps in sides:
+            _step(opt, ps, step)
+    _close(ours, plain)
+    return sides[1] + sides[0]
+
+
+def test_a_replaced_state_tensor_is_the_one_stepped(world4):
+    """The update steps the state's new tensor; the old one, which the kept pieces were of, stays as it was."""
+    old = {}
+
+    def replace(opt, params):
+        if isinstance(params[0], gt.GlobalTensor):
+            state = opt.state[params[0]]
+            old["tensor"], old["value"] = state["exp_avg"], state["exp_avg"].full_tensor()
+            state["exp_avg"] = state["exp_avg"].clone()
+    opt, ours, want, plain = _kept_run(world4, replace)
+    assert torch.equal(old["tensor"].full_tensor(), old["value"])
+    _close([opt.state[ours[0]]["exp_avg"]], [want.state[plain[0]]["exp_avg"]])
+
+
+def test_a_piece_rebound_is_the_one_stepped(world4):
+    """A compiled call binds its results' pieces to the wrappers that outlive it (``rebind_piece``); a
+    piece so given is the one the next eager step updates."""
+    old = {}
+
+    def rebind(opt, params):
+        if isinstance(params[0], gt.GlobalTensor):
+            state = opt.state[params[0]]["exp_avg_sq"]
+            old["pieces"] = state.local_tensors()
+            old["values"] = {r: t.clone() for r, t in old["pieces"].items()}
+            for r, piece in old["pieces"].items():
+                rebind_piece(state, r, piece.clone())
+    opt, ours, want, plain = _kept_run(world4, rebind)
+    assert all(torch.equal(old["pieces"][r], v) for r, v in old["values"].items())
+    _close([opt.state[ours[0]]["exp_avg_sq"]], [want.state[plain[0]]["exp_avg_sq"]])
+
+
+def test_a_loaded_state_dict_is_stepped_and_the_old_states_pieces_are_let_go(world4):
+    old_pieces = []
+
+    def load(opt, params):
+        if isinstance(params[0], gt.GlobalTensor):
+            old_pieces.extend(weakref.ref(s) for p in params for v in opt.state[p].values()
+                              if isinstance(v, gt.GlobalTensor) for s in v.local_tensors().values())
+            assert optim_groups._made[opt][id(opt.param_groups[0])].kept is not None
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        if isinstance(params[0], gt.GlobalTensor):
+            gc.collect()
+            assert not optim_groups._made[opt]
+            assert all(r() is None for r in old_pieces)          # nothing holds the old states' pieces
+    _kept_run(world4, load)
+
+
+def test_cleared_states_pieces_are_let_go_before_the_loop_makes_new_ones(world4, monkeypatch):
+    """Where the states are made anew (here: cleared), the old ones' kept pieces are let go before
+    torch's loop makes the new ones: the step's peak holds one set of states, as torch's."""
+    seen = []
+    watched = optim_groups._WatchedGroup.__init__
+
+    def at_the_loop(self, group):
+        seen.append([r() is None for r in old_pieces])
+        watched(self, group)
+    monkeypatch.setattr(optim_groups._WatchedGroup, "__init__", at_the_loop)
+    old_pieces = []
+
+    def clear(opt, params):
+        if isinstance(params[0], gt.GlobalTensor):
+            assert optim_groups._made[opt][id(opt.param_groups[0])].kept is not None
+            old_pieces.extend(weakref.ref(s) for p in params for v in opt.state[p].values()
+                              if isinstance(v, gt.GlobalTensor) for s in v.local_tensors().values())
+            seen.clear()
+        opt.state.clear()
+    _kept_run(world4, clear)
+    assert seen and all(seen[0]), seen
+
+
+def test_a_parameter_given_new_pieces_is_stepped_in_them(world4):
+    """``torch.utils.swap_tensors`` (a module's ``to`` uses it for tensor subclasses) gives the same
+    parameter object other pieces: the update writes into those."""
+    def swap(opt, params):
+        for p in params:
+            torch.utils.swap_tensors(p, p.detach().clone().requires_grad_())
+    opt, ours, _, _ = _kept_run(world4, swap)
+    kept = optim_groups._made[opt][id(opt.param_groups[0])].kept
+    assert all(p._pieces is pieces for p, pieces in zip(ours, kept.pieces))
+
+
+def test_compiled_and_eager_steps_in_turn_step_the_pieces_the_graph_rebinds(p1):
+    """Compiled first, the step makes the states inside the graph, which binds their new pieces after
+    every call (``tensor.rebind_piece``); the eager steps between take those pieces, not the kept ones."""
+    values = _values()[:2]
+    plain = [v.clone().requires_grad_() for v in values]
+    ours = [gt.distribute(v.clone(), p1, sbp).requires_grad_() for v, sbp in zip(values, [S(0), B])]
+    want = torch.optim.AdamW(plain, lr=0.05, weight_decay=0.1)
+    opt = torch.optim.AdamW(ours, lr=0.05, weight_decay=0.1)
+
+    def step(*grads):
+        for p, g in zip(ours, grads):
+            p.grad = gt.distribute(g, p.placement, p.sbp)
+        opt.step()
+    compiled = gt.compile(step)
+    for k in range(8):
+        grads = _values(100 + k)[:2]
+        for p, g in zip(plain, grads):
+            p.grad = g
+        want.step()
+        (compiled if k // 2 % 2 == 0 else step)(*grads)
+    assert compiled.captures == 1
+    _close(ours, plain)
