@@ -1,11 +1,15 @@
-"""An elementwise optimizer's lists kept as pieces between steps (nn/kept_pieces.py): from its second step
-its update takes plain lists (GradScaler's plain tensors beside them); where the step reads its lists
-(SGD), is a subclass's, or the update would take a global tensor beside them, they stay global; and whatever replaces what was kept --
-a state's tensor, a loaded state dict, a parameter's pieces (``swap_tensors``, as a module's ``to``
-does), a piece a compiled call rebinds -- is stepped, not the old pieces.
+"""An elementwise optimizer's lists kept as pieces between steps (nn/kept_pieces.py): once its lists are
+reused its update takes plain lists (GradScaler's plain tensors beside them); where the step reads its
+lists (SGD), is a subclass's, or the update would take a global tensor beside them, they stay global;
+and whatever replaces what was kept -- a state's tensor, a loaded state dict, a parameter's pieces
+(``swap_tensors``, as a module's ``to`` does), a piece a compiled call rebinds -- is stepped, not the
+old pieces.
 
 Results are compared with plain torch on one device in float64: the update runs torch's own kernels on
-pieces, within the rounding test_optim_pieces.py derives (32 u of the tensor's scale).
+pieces, where a piece boundary may move an element between a kernel's vector body and its scalar
+tail (fused multiply-adds or not). As test_optim_pieces.py argues, a step combines each element's
+quantities with at most ~8 roundings of <= u relative, so ``steps`` steps stay within 8 u per step of
+the largest magnitude involved: ``_close`` allows that.
 """
 from __future__ import annotations
 
@@ -51,12 +55,13 @@ def _step(opt, params, step: int) -> None:
     opt.step()
 
 
-def _close(ours: list, plain: list) -> None:
+def _close(ours: list, plain: list, steps: int) -> None:
+    """Each global tensor within 8 u per step of its plain one's scale (the module's docstring)."""
     for i, (p, w) in enumerate(zip(ours, plain)):
         want = w.detach()
         scale = max(float(want.abs().max()), 1.0)
-        torch.testing.assert_close(p.full_tensor(), want, rtol=0, atol=32 * torch.finfo(want.dtype).eps * scale,
-                                   msg=f"parameter {i}")
+        atol = 8 * steps * torch.finfo(want.dtype).eps * scale
+        torch.testing.assert_close(p.full_tensor(), want, rtol=0, atol=atol, msg=f"tensor {i}")
 
 
 def _recorded_steps(handed, plain_side: tuple, global_side: tuple, steps: int) -> list:
@@ -68,7 +73,7 @@ def _recorded_steps(handed, plain_side: tuple, global_side: tuple, steps: int) -
     calls = handed(opt)
     for step in range(steps):
         _step(opt, ours, step)
-    _close(ours, plain)
+    _close(ours, plain, steps)
     return calls
 
 
@@ -140,7 +145,7 @@ def test_a_grad_scalers_fused_step_takes_plain_lists(world4, handed):
             scaler.step(opt)
             scaler.update()
     assert calls[0] == "global" and calls[2:] == ["plain"] * 4, calls
-    _close(ours, plain)
+    _close(ours, plain, 6)
 
 
 def test_a_global_setting_keeps_the_lists_global(world4, handed):
@@ -153,8 +158,8 @@ def test_a_global_setting_keeps_the_lists_global(world4, handed):
     assert _recorded_steps(handed, (want, plain), (opt, ours), 4) == ["global"] * 4
 
 
-def _kept_run(world, event, steps_after: int = 2):
-    """AdamW for 3 steps on both sides, ``event(opt, params)`` on each, then ``steps_after`` more steps;
+def _kept_run(event):
+    """AdamW for 3 steps on both sides, ``event(opt, params)`` on each, then 2 more steps;
     the global side's optimizer and parameters, and the plain side's optimizer and parameters."""
     plain, ours = _pair(_values())
     sides = [(torch.optim.AdamW(plain, lr=0.05, weight_decay=0.1), plain),
@@ -164,10 +169,10 @@ def _kept_run(world, event, steps_after: int = 2):
             _step(opt, ps, step)
     for opt, ps in sides:
         event(opt, ps)
-    for step in range(3, 3 + steps_after):
+    for step in range(3, 5):
         for opt, ps in sides:
             _step(opt, ps, step)
-    _close(ours, plain)
+    _close(ours, plain, 5)
     return sides[1] + sides[0]
 
 
@@ -180,9 +185,9 @@ def test_a_replaced_state_tensor_is_the_one_stepped(world4):
             state = opt.state[params[0]]
             old["tensor"], old["value"] = state["exp_avg"], state["exp_avg"].full_tensor()
             state["exp_avg"] = state["exp_avg"].clone()
-    opt, ours, want, plain = _kept_run(world4, replace)
+    opt, ours, want, plain = _kept_run(replace)
     assert torch.equal(old["tensor"].full_tensor(), old["value"])
-    _close([opt.state[ours[0]]["exp_avg"]], [want.state[plain[0]]["exp_avg"]])
+    _close([opt.state[ours[0]]["exp_avg"]], [want.state[plain[0]]["exp_avg"]], 5)
 
 
 def test_a_piece_rebound_is_the_one_stepped(world4):
@@ -197,12 +202,14 @@ def test_a_piece_rebound_is_the_one_stepped(world4):
             old["values"] = {r: t.clone() for r, t in old["pieces"].items()}
             for r, piece in old["pieces"].items():
                 rebind_piece(state, r, piece.clone())
-    opt, ours, want, plain = _kept_run(world4, rebind)
+    opt, ours, want, plain = _kept_run(rebind)
     assert all(torch.equal(old["pieces"][r], v) for r, v in old["values"].items())
-    _close([opt.state[ours[0]]["exp_avg_sq"]], [want.state[plain[0]]["exp_avg_sq"]])
+    _close([opt.state[ours[0]]["exp_avg_sq"]], [want.state[plain[0]]["exp_avg_sq"]], 5)
 
 
 def test_a_loaded_state_dict_is_stepped_and_the_old_states_pieces_are_let_go(world4):
+    """``load_state_dict`` of copies: the kept lists are forgotten at once, nothing holds the old states'
+    pieces, and the next steps update the loaded states."""
     old_pieces = []
 
     def load(opt, params):
@@ -215,7 +222,7 @@ def test_a_loaded_state_dict_is_stepped_and_the_old_states_pieces_are_let_go(wor
             gc.collect()
             assert not optim_groups._made[opt]
             assert all(r() is None for r in old_pieces)          # nothing holds the old states' pieces
-    _kept_run(world4, load)
+    _kept_run(load)
 
 
 def test_cleared_states_pieces_are_let_go_before_the_loop_makes_new_ones(world4, monkeypatch):
@@ -237,7 +244,7 @@ def test_cleared_states_pieces_are_let_go_before_the_loop_makes_new_ones(world4,
                               if isinstance(v, gt.GlobalTensor) for s in v.local_tensors().values())
             seen.clear()
         opt.state.clear()
-    _kept_run(world4, clear)
+    _kept_run(clear)
     assert seen and all(seen[0]), seen
 
 
@@ -247,14 +254,15 @@ def test_a_parameter_given_new_pieces_is_stepped_in_them(world4):
     def swap(opt, params):
         for p in params:
             torch.utils.swap_tensors(p, p.detach().clone().requires_grad_())
-    opt, ours, _, _ = _kept_run(world4, swap)
+    opt, ours, _, _ = _kept_run(swap)
     kept = optim_groups._made[opt][id(opt.param_groups[0])].kept
     assert all(p._pieces is pieces for p, pieces in zip(ours, kept.pieces))
 
 
 def test_compiled_and_eager_steps_in_turn_step_the_pieces_the_graph_rebinds(p1):
-    """Compiled first, the step makes the states inside the graph, which binds their new pieces after
-    every call (``tensor.rebind_piece``); the eager steps between take those pieces, not the kept ones."""
+    """Compiled first, the step makes the states inside the graph, which binds its pieces to them after
+    every call (``tensor.rebind_piece``: the kept pieces are checked anew); compiled and eager steps in
+    turn equal plain torch's, with one capture."""
     values = _values()[:2]
     plain = [v.clone().requires_grad_() for v in values]
     ours = [gt.distribute(v.clone(), p1, sbp).requires_grad_() for v, sbp in zip(values, [S(0), B])]
@@ -273,4 +281,4 @@ def test_compiled_and_eager_steps_in_turn_step_the_pieces_the_graph_rebinds(p1):
         want.step()
         (compiled if k // 2 % 2 == 0 else step)(*grads)
     assert compiled.captures == 1
-    _close(ours, plain)
+    _close(ours, plain, 8)

@@ -1,6 +1,7 @@
 """An optimizer's lists reused between steps (nn/optim_groups.py): after each change torch's loop would
 see, the lists are those torch's loop makes (the same objects, in the same order, the same returned
-flags), and while nothing the loop reads changed they are reused, not remade.
+flags) -- or, where they are kept as pieces (nn/kept_pieces.py), those objects' pieces -- and while
+nothing the loop reads changed they are reused, not remade.
 
 Each check calls the wrapped ``_init_group`` first and torch's own second, on the same optimizer: a
 reused list that missed a change (a partial gradient the ``.grad`` property would reduce, a gradient
@@ -249,7 +250,8 @@ def test_a_group_added_gets_lists_of_its_own(world4, made):
 
 
 def test_the_reused_lists_hold_no_gradient(world4):
-    """What is kept between steps holds the parameters, never a gradient: one freed by zero_grad is freed."""
+    """What is kept between steps -- the parameters, and the states' pieces where the lists are kept as
+    pieces (nn/kept_pieces.py) -- never holds a gradient: one freed by zero_grad is freed."""
     params = _params()
     _set_grads(params, 1)
     opt = torch.optim.Adam(params, lr=0.1, foreach=True)

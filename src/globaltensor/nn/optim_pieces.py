@@ -19,7 +19,9 @@ LR schedulers, hooks, ``add_param_group``, GradScaler and clipping work as befor
 What a step costs above plain torch's is kept to a few passes in C over its lists: the lists the
 optimizer's loop makes are reused while nothing they are made of changed (nn/optim_groups.py), and so
 is the call's shape -- its order, placeholders, which arguments are which (nn/pieces_shape.py); each
-step reads its tensors anew.
+step reads its tensors anew. Where the optimizer's step allows it (torch's elementwise classes but
+SGD, not in a capture), the reused lists are the pieces themselves, kept between steps
+(nn/kept_pieces.py): the update gets plain lists, and this wrapper passes them straight on.
 
 Per element: a global gradient in another layout than its parameter's (``grad_sbp=``) is boxed to it
 first (a partial one reduced); a 0-dim plain state (a step count, NAdam's ``mu_product``, ASGD's

@@ -122,7 +122,6 @@ def pieces_of(values: list, order: list, ranks: Optional[list]) -> list:
     return out
 
 
-
 def placeholders_of(params: list, order: list) -> list:
     """``[(position, dtype, device)]``: the positions of the order where no rank of the element is held
     here, each to take an empty tensor of its parameter's dtype and device."""
