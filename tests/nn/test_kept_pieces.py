@@ -50,8 +50,11 @@ def _pair(values: list) -> tuple:
 
 
 def _step(opt, params, step: int) -> None:
-    for p, g in zip(params, _values(100 + step)):
-        p.grad = gt.distribute(g, p.placement, p.sbp) if isinstance(p, gt.GlobalTensor) else g
+    """One step, with gradients drawn for the parameters' shapes and dtypes (the same on both sides)."""
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        grad = torch.randn(p.shape, dtype=p.dtype, generator=g)
+        p.grad = gt.distribute(grad, p.placement, p.sbp) if isinstance(p, gt.GlobalTensor) else grad
     opt.step()
 
 
@@ -282,3 +285,16 @@ def test_compiled_and_eager_steps_in_turn_step_the_pieces_the_graph_rebinds(p1):
         (compiled if k // 2 % 2 == 0 else step)(*grads)
     assert compiled.captures == 1
     _close(ours, plain, 8)
+
+
+@pytest.mark.parametrize("mode", ["single", "foreach"])
+def test_complex_parameters_step_on_kept_pieces(p1, handed, mode):
+    """The update views complex pieces as real ones in its own lists (``_view_as_real``), each step's
+    copies of the kept lists: the kept pieces stay complex and the steps equal plain torch's."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(8, 3, dtype=torch.complex128, generator=g), torch.randn(5, dtype=torch.float64, generator=g)]
+    plain = [v.clone().requires_grad_() for v in values]
+    ours = [gt.distribute(v.clone(), p1, S(0)).requires_grad_() for v in values]
+    want, opt = (torch.optim.Adam(ps, lr=0.05, **MODES[mode]) for ps in (plain, ours))
+    calls = _recorded_steps(handed, (want, plain), (opt, ours), 5)
+    assert calls[0] == "global" and calls[2:] == ["plain"] * 3, calls
