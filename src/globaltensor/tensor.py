@@ -404,20 +404,17 @@ class _Rebinds:
     count = 0
 
 
-_rebinds = _Rebinds()
-
-
 def rebind_piece(t: GlobalTensor, rank: int, piece: torch.Tensor) -> None:
     """Give the existing tensor ``t`` a new piece at ``rank``, in place (a compiled call's results bound to
     the wrappers that outlive it). Every other piece a tensor holds was given when it was made, so what
     keeps a tensor's pieces beyond one call (nn/kept_pieces.py) compares :func:`piece_rebinds`."""
     t._pieces[rank] = piece
-    _rebinds.count += 1
+    _Rebinds.count += 1
 
 
 def piece_rebinds() -> int:
     """How many pieces :func:`rebind_piece` has replaced in this process."""
-    return _rebinds.count
+    return _Rebinds.count
 
 
 def write_into(target: GlobalTensor, value: torch.Tensor) -> None:

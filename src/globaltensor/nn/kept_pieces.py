@@ -59,13 +59,12 @@ class KeptPieces:
         self.rebinds = piece_rebinds()
 
     @staticmethod
-    def of(held: list, given: list, states: list, lists: tuple) -> Optional["KeptPieces"]:
-        """The kept lists of a step's global ``lists`` over ``held`` (with the gradients ``given``, the
-        states ``states``); None where a list is not one of the kinds the update's call takes, or holds
+    def of(held: list, layouts: tuple, given: list, states: list, lists: tuple) -> Optional["KeptPieces"]:
+        """The kept lists of a step's global ``lists`` over ``held`` (in ``layouts``, with the gradients
+        ``given``, the states ``states``); None where a list is not one of the kinds the update's call takes, or holds
         a tensor whose layout is not its parameter's very object (the update's call on global lists
         gives an equal one the parameter's, nn/optim_pieces.py: the next step keeps them)."""
         n = len(held)
-        layouts = list(map(layout_of, held))
         order, ranks = order_of(held, layouts)
         placeholders = placeholders_of(held, order)
         kinds, kept = [], []

@@ -173,7 +173,7 @@ class _Made:
         for made, at in zip(lists, self.positions):
             made.extend(map(flat.__getitem__, at))
         if on_pieces:
-            self.kept = KeptPieces.of(held, given, states, lists)
+            self.kept = KeptPieces.of(held, self.layouts, given, states, lists)
             if self.kept is not None:
                 self.kept.into(lists, given)
 
@@ -227,8 +227,9 @@ def _eager_update(opt, group: dict) -> bool:
         and type(getattr(opt, "found_inf", None)) is not GlobalTensor and _GLOBAL.isdisjoint(map(type, group.values()))
 
 
-#: the classes whose step passes its lists to its update only, which runs on pieces: an optimizer of
-#: exactly one of them takes its lists as pieces (nn/kept_pieces.py; :func:`lists_on_pieces`)
+#: the classes whose step passes its lists to its update only, which runs on pieces (nn/optim_pieces.py
+#: adds them): an optimizer of exactly one of them -- a subclass's step is its own code -- takes its
+#: lists as pieces (nn/kept_pieces.py)
 ON_PIECES: set = set()
 
 #: the wrapper's code (:func:`reused_lists`)
@@ -238,12 +239,6 @@ def _init_group(self, group, *lists):
         return fn(self, group, *lists)
     return made_lists(fn, self, group, lists, type(self) in on_pieces)
 """
-
-
-def lists_on_pieces(cls: type) -> None:
-    """Let an optimizer of exactly ``cls`` (a subclass's step is its own code) take its lists as pieces:
-    ``cls``'s step passes them to its update and reads them nowhere else."""
-    ON_PIECES.add(cls)
 
 
 def reused_lists(cls: type) -> None:

@@ -67,7 +67,7 @@ from ..compat.dynamo import inlined_wrapper
 from ..sbp import broadcast
 from ..tensor import GlobalTensor, box, write_into
 from . import mapped_call
-from .optim_groups import lists_on_pieces, reused_lists
+from .optim_groups import ON_PIECES, reused_lists
 from .pieces_shape import (CallShape, Shapes, dim_of, layout_of, order_of, pieces_of, states_over_order,
                            with_placeholders)
 
@@ -111,7 +111,7 @@ def install_optimizer_pieces() -> None:
             if "_init_group" in vars(cls):
                 reused_lists(cls)
             if not whole and cls.__module__ == module.__name__ and cls.__name__ not in READS_ITS_LISTS:
-                lists_on_pieces(cls)
+                ON_PIECES.add(cls)
     if not _stepping.hooked:
         register_optimizer_step_pre_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", opt))
         register_optimizer_step_post_hook(lambda opt, args, kwargs: setattr(_stepping, "optimizer", None))

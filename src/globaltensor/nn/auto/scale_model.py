@@ -483,10 +483,9 @@ def predict_scale(shape: TransformerShape, lay: ScaleLayout, device: Device, glo
         if piped:
             parts["pipeline buffers"] = pipeline_buffer_bytes(lay, s, m, held, boundary, logits)
         stages.append(parts)
-    def peak(parts: dict) -> float:
-        return sum(parts.values()) - min(parts["block backward"], parts["loss backward"])
-    memory = {s * lay.gpus // lay.pp: int(peak(parts)) for s, parts in enumerate(stages)}
-    top = max(stages, key=peak)
+    peaks = [sum(parts.values()) - min(parts["block backward"], parts["loss backward"]) for parts in stages]
+    memory = {s * lay.gpus // lay.pp: int(peak) for s, peak in enumerate(peaks)}
+    top = stages[peaks.index(max(peaks))]
     tokens = global_batch * shape.seq
     mfu = shape.forward_flops(tokens) * 3 / (seconds * lay.gpus * device.peak_rate(shape.dtype))
     shown = by_kind.get("communication", 0.0) + by_kind["pipeline sends"] + data
