@@ -27,6 +27,10 @@ import _harness as H
 from actor_runtime import GPT_EMBD, GPT_HEADS, GPT_LAYERS, GPT_VOCAB
 from subclass_floor import thin_training_class
 
+#: seconds a round of each side's steps lasts: a round of a few 0.3 ms steps right after a barrier times
+#: the processes waking from it (on two shared cores) more than the step
+ROUND_S = 0.02
+
 
 def _params(embd: int):
     import torch
@@ -93,8 +97,9 @@ def _worker(rank: int, world: int, quick: bool, embd: int = GPT_EMBD):
         kw = {mode: True}
         opts = {name: torch.optim.AdamW(ps, lr=1e-4, **kw) for name, ps in sides.items()}
         steps = {name: _through_dispatcher(o.step) if name == "gt dispatcher" else o.step for name, o in opts.items()}
-        times = H.timed_many({f"{name} {mode}": step for name, step in steps.items()},
-                             warmup=3, repeats=5 if quick else 15, inner=2 if quick else 5)
+        fns = {f"{name} {mode}": step for name, step in steps.items()}
+        times = H.timed_many(fns, warmup=3, repeats=5 if quick else 15,
+                             inner=2 if quick else H.inner_for(fns, ROUND_S))
         result["times"].update(times)
         result["calls"][mode] = _dispatched(steps["gt"])        # one more step: the others take it too
         for name in ("plain", "dt", "thin", "gt dispatcher"):
@@ -130,8 +135,9 @@ def _worker_sim(rank: int, world: int, quick: bool, embd: int = GPT_EMBD, ranks=
                 p.grad = gt.distribute(gr, placement, gt.sbp.broadcast)
             opts = {"plain": torch.optim.AdamW(plain, lr=1e-4, **{mode: True}),
                     "gt": torch.optim.AdamW(ours, lr=1e-4, **{mode: True})}
-            times = H.timed_many({k: o.step for k, o in opts.items()}, warmup=3, repeats=5 if quick else 15,
-                                 inner=2 if quick else 5, sync=False)
+            fns = {k: o.step for k, o in opts.items()}
+            times = H.timed_many(fns, warmup=3, repeats=5 if quick else 15,
+                                 inner=2 if quick else H.inner_for(fns, ROUND_S), sync=False)
             with torch.no_grad():
                 diff = max(float((p.full_tensor() - w).abs().max()) for p, w in zip(ours, plain[:len(values)]))
             out[n, mode] = dict(times=times, diff=diff)

@@ -298,3 +298,45 @@ def test_complex_parameters_step_on_kept_pieces(p1, handed, mode):
     want, opt = (torch.optim.Adam(ps, lr=0.05, **MODES[mode]) for ps in (plain, ours))
     calls = _recorded_steps(handed, (want, plain), (opt, ours), 5)
     assert calls[0] == "global" and calls[2:] == ["plain"] * 3, calls
+
+
+def test_the_step_counts_copies_are_made_once(world4, monkeypatch):
+    """An element held on several ranks here takes, at each extra one, a copy of its step count that the
+    update steps with it: the same copies at every step of the kept lists, not new ones."""
+    plain, ours = _pair(_values())
+    want, opt = (torch.optim.AdamW(ps, lr=0.05, fused=True) for ps in (plain, ours))
+    for step in range(5):
+        _step(want, plain, step)
+    module = importlib.import_module("torch.optim.adam")
+    update, handed_steps = module.adam, []
+
+    def recorded(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *args, **kwargs):
+        handed_steps.append(list(state_steps))
+        return update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *args, **kwargs)
+    monkeypatch.setattr(module, "adam", recorded)
+    for step in range(5):
+        _step(opt, ours, step)
+    _close(ours, plain, 5)
+    own = [opt.state[p]["step"] for p in ours]
+    before, last = handed_steps[-2:]        # kept lists (from the third step at the latest)
+    assert len(last) == 10 and all(any(s is t for s in last) for t in own)
+    assert list(map(id, before)) == list(map(id, last)), "copies made anew"
+
+
+@pytest.mark.parametrize("write", [lambda t: t.add_(3), lambda t: t.fill_(1)], ids=["add_", "fill_"])
+def test_a_step_count_written_outside_the_update_reaches_every_rank(world4, write):
+    """A step count changed in place between steps (its tensor the same, its copies stale) is copied anew
+    to every other rank the element is held on: every piece's bias correction is the new count's."""
+    _kept_run(lambda opt, params: [write(opt.state[p]["step"]) for p in params])
+
+
+def test_steps_under_inference_mode_copy_the_step_counts_at_each_step(world4):
+    """Steps run under ``torch.inference_mode`` make inference tensors of the step counts, which have no
+    version counter: their copies are made at every step, and the steps equal plain torch's."""
+    plain, ours = _pair(_values())
+    for params in (plain, ours):
+        opt = torch.optim.AdamW(params, lr=0.05, fused=True)
+        for step in range(5):
+            with torch.inference_mode():
+                _step(opt, params, step)
+    _close(ours, plain, 5)

@@ -9,10 +9,11 @@ torch's fused AdamW step at n_embd 32 takes 200 us (benchmarks/optimizer.py).
 So after a step has made its lists of global tensors, :class:`KeptPieces` turns them into the lists
 the update's call would take -- each list over the (element, rank) order of nn/pieces_shape.py, a
 placeholder where no rank of an element is held here, each extra held rank's copy of a plain step
-count -- and keeps the parameters' and states' pieces. The next step checks by identity that the
-parameters hold the same pieces dicts, that their states hold the same tensors and that no compiled
-call rebound a piece (``tensor.piece_rebinds``); then it hands torch's step the kept
-lists with the gradients' pieces taken now, and the update sees plain tensors only.
+count -- and keeps the parameters' and states' pieces and the step counts' copies (:class:`_KeptCopies`).
+The next step checks by identity that the parameters hold the same pieces dicts, that their states
+hold the same tensors and that no compiled call rebound a piece (``tensor.piece_rebinds``); then it
+hands torch's step the kept lists with the gradients' pieces taken now, and the update sees plain
+tensors only.
 
 Only where torch's step passes its lists to the update and reads them nowhere else: an optimizer of
 exactly a ``torch.optim`` elementwise class (a subclass's step is its own code), not SGD (its step
@@ -29,7 +30,7 @@ parameter replaced (``load_state_dict``, a module's ``to``) is let go at the nex
 from __future__ import annotations
 
 import operator
-from itertools import chain
+from itertools import chain, compress
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ from .pieces_shape import (copies_of, dim_of, layout_of, order_of, pieces_of, pl
                            states_over_order, with_placeholders)
 
 _PIECES = operator.attrgetter("_pieces")
+_VERSION = operator.attrgetter("_version")
 _GLOBAL = {GlobalTensor}
 _PLAIN = {torch.Tensor}
 #: the kinds of list (:class:`KeptPieces`): none given, the gradients, kept pieces, plain step counts
@@ -55,7 +57,8 @@ class KeptPieces:
         self.pieces = list(map(_PIECES, held))
         self.values = list(chain.from_iterable(map(dict.values, states)))
         self.kinds, self.kept, self.order, self.ranks, self.placeholders = kinds, kept, order, ranks, placeholders
-        self.elements, self.copies = copies_of(order, len(held))
+        elements, copies = copies_of(order, len(held))
+        self.counts = [_KeptCopies(own, elements, copies) if kind == STEPS else None for kind, own in zip(kinds, kept)]
         self.rebinds = piece_rebinds()
 
     @staticmethod
@@ -106,11 +109,43 @@ class KeptPieces:
         self._extend(lists, given)
 
     def _extend(self, lists: tuple, given: list) -> None:
-        for made, kind, kept in zip(lists, self.kinds, self.kept):
+        for made, kind, kept, counts in zip(lists, self.kinds, self.kept, self.counts):
             if kind == KEPT:
                 made.extend(kept)
             elif kind == GRADS:
                 made.extend(with_placeholders(pieces_of(given, self.order, self.ranks), self.placeholders))
             elif kind == STEPS:
-                made.extend(states_over_order(kept, self.elements, self.copies))
+                made.extend(counts.now())
+
+
+class _KeptCopies:
+    """A list of plain step counts over the order, each extra held rank's copy kept between steps (it
+    is the update's alone). The update changes an element's count and its copies alike, so their
+    version counters move together; where a count's counter moved on its own -- a write outside the
+    update (``state["step"].fill_(0)``), or a step that updated fresh copies (nn/optim_pieces.py, on
+    global lists) -- the copies are made anew from it. Cloning every copy at every step costs more than
+    the rest of the lists (4 simulated ranks: 159 clones, 140 us for the GPT's 53 parameters)."""
+
+    def __init__(self, own: list, elements: Optional[list], copies: Optional[list]):
+        self.own, self.elements, self.copies = own, elements, copies
+        self._make()
+
+    def _make(self) -> None:
+        self.over = states_over_order(self.own, self.elements, self.copies)
+        if self.elements is None:           # one position per element: no copies
+            self.sources = self.made = self.gaps = []
+            return
+        self.sources = [self.own[i] for i, copy in zip(self.elements, self.copies) if copy]
+        self.made = list(compress(self.over, self.copies))
+        # an inference tensor has no version counter: its copies are made at every step
+        self.gaps = None if any(map(torch.Tensor.is_inference, self.sources)) else self._gaps()
+
+    def _gaps(self) -> list:
+        return list(map(operator.sub, map(_VERSION, self.sources), map(_VERSION, self.made)))
+
+    def now(self) -> list:
+        """The list over the order, its copies in step with their counts."""
+        if self.gaps is None or self._gaps() != self.gaps:
+            self._make()
+        return self.over
 

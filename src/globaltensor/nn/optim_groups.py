@@ -54,6 +54,7 @@ from .pieces_shape import layout_of
 TYPE_ONLY = frozenset({"lr"})
 
 _grad_of = _grad_slot.__get__
+_SUBCLASS_FUNCTION_OFF = torch._C.DisableTorchFunctionSubclass
 _NO_STATE: dict = {}                   # a parameter without a state: read, never written
 _GLOBAL = {GlobalTensor}
 
@@ -141,7 +142,8 @@ class _Made:
         params = group["params"]
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return None
-        grads = list(map(_grad_of, params))
+        with _SUBCLASS_FUNCTION_OFF():       # the slot read skips looking up each one's __torch_function__
+            grads = list(map(_grad_of, params))
         if self.took is None:
             held, given = params, grads
         else:

@@ -121,7 +121,7 @@ def install_optimizer_pieces() -> None:
 #: the wrapper's code (:func:`_stepping_pieces`)
 _WRAPPER = """
 def update(*args, **kwargs):
-    if is_compiling():
+    if is_compiling() or (args and args[0] and type(args[0][0]) is not global_tensor):
         return fn(*args, **kwargs)
     call = pieces_call(fn, names, args, kwargs, whole)
     if call is None:
@@ -135,7 +135,8 @@ def _stepping_pieces(fn: Callable, whole: bool = False) -> Callable:
     -- and while Dynamo traces it, ``fn`` (compat/dynamo.py, ``inlined_wrapper``). ``whole``: ``fn``
     reads each parameter whole (:data:`WHOLE`)."""
     namespace = {"fn": fn, "names": list(inspect.signature(fn).parameters), "pieces_call": _pieces_call,
-                 "is_compiling": torch.compiler.is_compiling, "whole": whole}
+                 "is_compiling": torch.compiler.is_compiling, "whole": whole,
+                 "global_tensor": GlobalTensor}
     update = functools.wraps(fn)(inlined_wrapper(_WRAPPER, "update", namespace,
                                                  f"{fn.__module__}.{fn.__name__} on pieces"))
     update.on_globals = fn            # the original: the present path, op by op through the dispatcher
