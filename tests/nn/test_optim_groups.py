@@ -213,6 +213,29 @@ def test_a_state_with_other_keys_is_read_by_torchs_loop(world4):
         opt._init_group(opt.param_groups[0], [], [], [], [], [], [])
 
 
+class _OwnAdam(torch.optim.Adam):
+    """A subclass: its lists stay global tensors, taken from the states by position."""
+
+
+@pytest.mark.parametrize("make", [lambda ps: _OwnAdam(ps, lr=0.1), lambda ps: torch.optim.Adam(ps, lr=0.1)],
+                         ids=["global lists", "kept pieces"])
+def test_a_state_with_its_keys_in_another_order_remakes_the_lists(world4, made, make):
+    """A state rebuilt with the same tensors, its keys in another order: the lists, taken by position,
+    are made anew -- global lists because the keys differ, kept pieces because the tensors' order does."""
+    params = _params()
+    _set_grads(params, 1)
+    opt = make(params)
+    opt.step()
+    opt.step()
+    state = opt.state[params[0]]
+    reordered = list(state.items())[::-1]
+    state.clear()
+    state.update(reordered)
+    before = made["n"]
+    _lists_as_torchs(opt)
+    assert made["n"] == before + 1
+
+
 def test_a_setting_the_loop_reads_remakes_the_lists(world4, made):
     """SGD's loop reads ``momentum`` (no buffers without it), Adam's reads ``amsgrad`` and refuses a
     tensor ``lr`` with ``foreach``: each change makes the lists again, as torch's loop would."""

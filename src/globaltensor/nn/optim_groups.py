@@ -15,8 +15,9 @@ torch's own, watched (:class:`_WatchedGroup` records the settings it reads). The
 each list is found among the parameters, the gradients and the states' values, or is None: its
 position (:class:`_Made`). The next call checks, in a few passes in C, that the group holds the same
 parameters, that the same ones have gradients and that each gradient is in its parameter's layout
-(the ``.grad`` property would return it as it is), that each state has the same keys, and that the
-settings read are as they were (:data:`TYPE_ONLY`). Then it takes the lists from the current
+(the ``.grad`` property would return it as it is), that each state has the same keys (where the lists
+are kept as pieces, the same tensors in the same order: :meth:`_Made.fill`), and that the settings
+read are as they were (:data:`TYPE_ONLY`). Then it takes the lists from the current
 gradients and states by those positions, and returns what the loop returned. Otherwise the loop runs
 again, watched. Examples: a partial gradient to reduce, a state made or replaced, a changed
 setting, a parameter added.
@@ -159,18 +160,28 @@ class _Made:
             if not self._in_layouts(held, given):
                 return None
         states = list(map(opt.state.get, held, repeat(_NO_STATE)))
-        if list(map(len, states)) != self.lens or list(chain.from_iterable(states)) != self.keys:
+        if list(map(len, states)) != self.lens:
             return None
         if not all(_same_setting(k, group.get(k), v) for k, v in self.settings):
             return None
         return params, grads, held, given, states
 
-    def fill(self, now: tuple, lists: tuple, on_pieces: bool) -> None:
+    def fill(self, now: tuple, lists: tuple, on_pieces: bool) -> bool:
         """Fill ``lists`` as the loop would, from what :meth:`now` read: of global tensors, or where
-        ``on_pieces``, of their pieces (nn/kept_pieces.py)."""
+        ``on_pieces``, of their pieces (nn/kept_pieces.py); False (``lists`` left empty) where a state's
+        keys changed.
+
+        The kept pieces need no look at the keys: their states' tensors, checked by identity and in
+        order, are what the lists hold. (Only a state rebuilt with a key renamed, its tensors in the
+        same order, goes unseen there; torch's loop, reading the states by key, would fail on it.) The
+        keys cost more than the rest of the check: a step of the GPT's fused AdamW on one simulated rank
+        took 1.06-1.11x plain torch's with them, 1.00-1.04x without (benchmarks/optimizer.py's steps,
+        interleaved)."""
         params, grads, held, given, states = now
         if on_pieces and self.kept is not None and self.kept.fill(held, given, states, lists):
-            return
+            return True
+        if list(chain.from_iterable(states)) != self.keys:
+            return False
         flat = [*params, *grads, *chain.from_iterable(map(dict.values, states)), None]
         for made, at in zip(lists, self.positions):
             made.extend(map(flat.__getitem__, at))
@@ -178,6 +189,7 @@ class _Made:
             self.kept = KeptPieces.of(held, self.layouts, given, states, lists)
             if self.kept is not None:
                 self.kept.into(lists, given)
+        return True
 
 
 #: optimizer -> {id(group): _Made}
@@ -191,8 +203,7 @@ def _lists(init_group: Callable, opt, group: dict, lists: tuple, on_pieces: bool
     entry = None if made is None else made.get(id(group))
     if entry is not None and entry.group is group and not any(lists):
         now = entry.now(opt, group)
-        if now is not None:
-            entry.fill(now, lists, on_pieces and _eager_update(opt, group))
+        if now is not None and entry.fill(now, lists, on_pieces and _eager_update(opt, group)):
             return entry.returned
         entry.kept = None               # let go of the pieces kept before the loop makes new states
     params = group["params"]
