@@ -95,7 +95,7 @@ class KeptPieces:
     def fill(self, held: list, given: list, states: list, lists: tuple) -> bool:
         """Fill the empty ``lists`` with the kept pieces and the gradients' pieces, if nothing kept was
         replaced; else False. (optim_groups.py has checked the parameters, the gradients' layouts and the
-        states' keys.)"""
+        states' entry counts.)"""
         if piece_rebinds() != self.rebinds or not all(map(operator.is_, map(_PIECES, held), self.pieces)) \
                 or not all(map(operator.is_, chain.from_iterable(map(dict.values, states)), self.values)):
             return False

@@ -138,18 +138,26 @@ class _Made:
         except AttributeError:
             return False
 
-    def now(self, opt, group: dict) -> Optional[tuple]:
-        """``(params, grads, held, given, states)`` as they are now, if nothing the loop reads changed; else None."""
+    def fill(self, opt, group: dict, lists: tuple, on_pieces: bool) -> bool:
+        """Fill ``lists`` as the loop would, if nothing it reads changed (else False, ``lists`` left
+        empty): of global tensors, or where ``on_pieces``, of their pieces (nn/kept_pieces.py).
+
+        The kept pieces need no look at the states' keys: their tensors, checked by identity and in
+        order, are what the lists hold. (Only a state rebuilt with a key renamed, its tensors in the
+        same order, goes unseen there; torch's loop, reading the states by key, would fail on it.) The
+        keys cost more than the rest of the check: a step of the GPT's fused AdamW on one simulated rank
+        took 1.06-1.11x plain torch's with them, 1.00-1.04x without (benchmarks/optimizer.py's steps,
+        interleaved)."""
         params = group["params"]
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
-            return None
+            return False
         with _SUBCLASS_FUNCTION_OFF():       # the slot read skips looking up each one's __torch_function__
             grads = list(map(_grad_of, params))
         if self.took is None:
             held, given = params, grads
         else:
             if list(map(operator.is_not, grads, repeat(None))) != self.present:
-                return None
+                return False
             held = list(map(params.__getitem__, self.took))
             given = list(map(grads.__getitem__, self.took))
         if not self._in_layouts(held, given):
@@ -158,26 +166,12 @@ class _Made:
             grads = [None if g is None else p.grad for p, g in zip(params, grads)]
             given = grads if self.took is None else list(map(grads.__getitem__, self.took))
             if not self._in_layouts(held, given):
-                return None
+                return False
         states = list(map(opt.state.get, held, repeat(_NO_STATE)))
         if list(map(len, states)) != self.lens:
-            return None
+            return False
         if not all(_same_setting(k, group.get(k), v) for k, v in self.settings):
-            return None
-        return params, grads, held, given, states
-
-    def fill(self, now: tuple, lists: tuple, on_pieces: bool) -> bool:
-        """Fill ``lists`` as the loop would, from what :meth:`now` read: of global tensors, or where
-        ``on_pieces``, of their pieces (nn/kept_pieces.py); False (``lists`` left empty) where a state's
-        keys changed.
-
-        The kept pieces need no look at the keys: their states' tensors, checked by identity and in
-        order, are what the lists hold. (Only a state rebuilt with a key renamed, its tensors in the
-        same order, goes unseen there; torch's loop, reading the states by key, would fail on it.) The
-        keys cost more than the rest of the check: a step of the GPT's fused AdamW on one simulated rank
-        took 1.06-1.11x plain torch's with them, 1.00-1.04x without (benchmarks/optimizer.py's steps,
-        interleaved)."""
-        params, grads, held, given, states = now
+            return False
         if on_pieces and self.kept is not None and self.kept.fill(held, given, states, lists):
             return True
         if list(chain.from_iterable(states)) != self.keys:
@@ -202,8 +196,7 @@ def _lists(init_group: Callable, opt, group: dict, lists: tuple, on_pieces: bool
     made = _made.get(opt)
     entry = None if made is None else made.get(id(group))
     if entry is not None and entry.group is group and not any(lists):
-        now = entry.now(opt, group)
-        if now is not None and entry.fill(now, lists, on_pieces and _eager_update(opt, group)):
+        if entry.fill(opt, group, lists, on_pieces and _eager_update(opt, group)):
             return entry.returned
         entry.kept = None               # let go of the pieces kept before the loop makes new states
     params = group["params"]
