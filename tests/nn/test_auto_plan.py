@@ -231,6 +231,7 @@ def test_calibration_is_measured_and_used(world4, monkeypatch):
     machine = cal.device                  # the kernels and dispatch timed too, and the links of this world
     assert machine.matmul_rate(torch.float32) > 0 and machine.matmul_rate(torch.float64) > 0
     assert machine.memory_bandwidth > 0 and 0 < machine.attention_fraction <= 1 and cal.host_op_seconds > 0
+    assert cal.host_gradient_seconds > 0 and cal.to_dict()["host_gradient_seconds"] == cal.host_gradient_seconds
     assert machine.link("all_reduce", (0, 1, 2, 3)).bandwidth == cal.links["all_reduce"].bandwidth
 
 

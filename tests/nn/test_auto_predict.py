@@ -7,6 +7,7 @@ rank the whole model -- must lose to a layout that divides the work; a predictio
 up as the docs say, on this machine and on a GPU of the device table."""
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -128,6 +129,30 @@ def test_the_prediction_adds_up(p1):
     assert gpu.mfu == pytest.approx(plan.options[0].cost.tally.model_flops / (gpu.seconds * 4 * H100.peak[torch.float32]))
     assert "predicted step on H100" in gpu.table()
     assert set(DEVICES) == {"H100", "H200", "A100"}
+
+
+def test_the_host_work_counts_each_gradient_the_buckets_take(p1):
+    """A data-parallel step's host work is its global ops' dispatch and its gradient hooks: on every
+    rank one per gradient the buckets take in the real step -- the gradients a run without buckets
+    leaves partial -- at the calibration's seconds each."""
+    from globaltensor.nn.auto.calibration import current_calibration
+    model = _gpt()
+    args = _args(model)
+    plan = gnn.auto_plan(model, p1, args, step=gpt_step)
+    dp = AutoPlan(p1, _option(plan, ("data",)), plan.options, None, None, plan.tokens, plan.dtype)
+    unbucketed = copy.deepcopy(model)
+    gnn.distribute_module(model, p1, dp)
+    gnn.distribute_module(unbucketed, p1, dp, bucket_bytes=0)
+    taken = []
+    model._gt_grad_buckets.on_bucketed = taken.append
+    for m in (model, unbucketed):
+        gpt_step(m, *(gt.distribute(a, p1, nd) for a, nd in zip(args, dp.inputs)))
+    left_partial = [p for p in unbucketed.parameters() if torch._C.TensorBase.grad.__get__(p)._layout.has_partial]
+    assert len(taken) == len(left_partial) > 0
+    assert dict(dp.chosen.cost.tally.bucketed) == {r: len(taken) for r in range(4)}
+    here = dp.predict()
+    assert here.by_kind["gradient hooks"] == pytest.approx(len(taken) * current_calibration().host_gradient_seconds)
+    assert here.host == pytest.approx(here.by_kind["gradient hooks"] + here.by_kind["host dispatch"])
 
 
 def test_planning_for_a_named_device_takes_its_memory_as_the_limit(p1):

@@ -77,6 +77,7 @@ class GradBuckets:
         self.made: list = []           # the flat buffers this backward fills
         self.spare: dict = {}          # (numel, dtype, device) -> the last backward's, to fill again when free
         self.on_new_buffer: Optional[Callable[[int, torch.Tensor], None]] = None   # told (rank, buffer) of each
+        self.on_bucketed: Optional[Callable[[GlobalTensor], None]] = None   # told of each gradient a bucket takes
 
     def watch(self, p) -> None:
         """Bucket ``p``'s gradient from now on, if it is a global leaf that gets one."""
@@ -146,6 +147,8 @@ class GradBuckets:
             self._fill(key, g)
         _count_pieces(self.arrived_numel, p)
         self.pending.setdefault(key, []).append((p, g, want))
+        if self.on_bucketed is not None:
+            self.on_bucketed(g)
         self.sizes[key] = self.sizes.get(key, 0) + nbytes
         if self.sizes[key] >= self._limit():
             self.flushed_once = True

@@ -1,4 +1,4 @@
-"""``gt.calibrate()``: this machine's collectives, kernels and dispatch, measured and cached.
+"""``gt.calibrate()``: this machine's collectives, kernels and host work, measured and cached.
 
 Each collective kind -- all-reduce, all-gather, reduce-scatter, all-to-all, send/recv -- is timed on
 the whole world through the boxing that issues it (``P -> B``, ``S(0) -> B``, ``P -> S(0)``,
@@ -7,9 +7,9 @@ payload, as a step meets it: right after a burst of compute, its time what it ad
 (a rank that computed a little longer than its peer keeps the others waiting; on this machine's
 gloo that wait is most of a small collective's cost). ``time = latency + bytes / bandwidth``
 through the two points gives both, the bytes counted as ``gt.comm_stats()`` counts them (the most
-any one rank sends). The kernels and the host's dispatch are timed by kernel_timing.py. Each
-figure is a median, agreed over the ranks. The result -- ``links``, and the machine as a
-:class:`~.devices.Device` -- is cached per backend and world size for the process:
+any one rank sends). The kernels, the host's dispatch and its work per bucketed gradient are timed
+by kernel_timing.py. Each figure is a median, agreed over the ranks. The result -- ``links``, and
+the machine as a :class:`~.devices.Device` -- is cached per backend and world size for the process:
 ``gt.nn.auto_plan`` plans and predicts with it, and without one with :data:`DEFAULT`. Every rank
 calls it (it runs collectives).
 """
@@ -26,25 +26,33 @@ from ...placement import Placement
 from ...sbp import broadcast, partial_sum, split
 from ...tensor import GlobalTensor
 from .devices import CPU_LINK, THIS_CPU, Device, Link
-from .kernel_timing import fitted_device, host_op_seconds, kernel_points, line, typical
+from .kernel_timing import fitted_device, host_gradient_seconds, host_op_seconds, kernel_points, line, typical
+from .predict import HostCosts
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 
 
 #: seconds of host dispatch per global op before a calibration: what this machine's calibrations give
 HOST_OP_SECONDS = 15e-6
+#: the host's seconds per gradient a gradient bucket takes before a calibration: what this machine's give
+HOST_GRADIENT_SECONDS = 60e-6
 
 
 @dataclass(frozen=True)
 class Calibration:
     """Per collective kind, its latency and bandwidth (``links``); this machine's kernels
-    (``compute``, a Device whose links are not used) and ``host_op_seconds``; ``backend`` and
-    ``world_size`` say where it was measured."""
+    (``compute``, a Device whose links are not used), ``host_op_seconds`` and
+    ``host_gradient_seconds``; ``backend`` and ``world_size`` say where it was measured."""
     backend: str
     world_size: int
     links: Dict[str, Link] = field(default_factory=dict)
     compute: Device = THIS_CPU
     host_op_seconds: float = HOST_OP_SECONDS
+    host_gradient_seconds: float = HOST_GRADIENT_SECONDS
+
+    @property
+    def host(self) -> HostCosts:
+        return HostCosts(self.host_op_seconds, self.host_gradient_seconds)
 
     @property
     def device(self) -> Device:
@@ -63,7 +71,7 @@ class Calibration:
                 "links": {k: {"latency": v.latency, "bandwidth": v.bandwidth} for k, v in self.links.items()},
                 "compute": {"matmul_rate": {str(d): v for d, v in c.rate.items()}, "matmul_latency": c.matmul_latency,
                             "memory_bandwidth": c.memory_bandwidth, "op_latency": c.op_latency},
-                "host_op_seconds": self.host_op_seconds}
+                "host_op_seconds": self.host_op_seconds, "host_gradient_seconds": self.host_gradient_seconds}
 
 
 #: The model without a calibration: THIS_CPU's kernels and its gloo link for every collective kind.
@@ -99,15 +107,15 @@ def calibrate(small: int = 16 * 1024, large: int = 4 * 2 ** 20, repeats: int = 5
         raise ValueError(f"calibrate: needs a world of 2 or more ranks to measure collectives, got {world.size}")
     points = {kind: [_measure(kind, ranks, n, repeats) for n in (small, large)] for kind in KINDS}
     kernels = kernel_points(repeats)
-    host = host_op_seconds(ranks, repeats)
-    times = _agreed([t for kind in KINDS for _, t in points[kind]] + [t for _, t in kernels.values()] + [host])
+    host = [host_op_seconds(ranks, repeats), host_gradient_seconds(ranks, repeats)]
+    times = _agreed([t for kind in KINDS for _, t in points[kind]] + [t for _, t in kernels.values()] + host)
     agreed = {name: (work, times[2 * len(KINDS) + j]) for j, (name, (work, _)) in enumerate(kernels.items())}
     machine = fitted_device(agreed)
     links = {}
     for k, kind in enumerate(KINDS):
         (b1, _), (b2, _) = points[kind]
         links[kind] = fitted_link(b1, times[2 * k], b2, times[2 * k + 1], machine.memory_bandwidth)
-    result = Calibration(_backend(world), world.size, links, machine, times[-1])
+    result = Calibration(_backend(world), world.size, links, machine, *times[-2:])
     _CACHE[(result.backend, result.world_size)] = result
     return result
 

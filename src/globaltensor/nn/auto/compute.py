@@ -107,9 +107,11 @@ Key = Tuple[str, torch.dtype, str, str]          # (kind, dtype, phase, module)
 
 @dataclass
 class ComputeTally:
-    """Per rank, the kernels it runs by (kind, dtype, phase, module), and the global ops it dispatches."""
+    """Per rank, the kernels it runs by (kind, dtype, phase, module), the global ops it dispatches and the
+    gradients its gradient buckets take."""
     kernels: Dict[int, Dict[Key, Work]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(Work)))
     host_ops: Dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    bucketed: Dict[int, int] = field(default_factory=lambda: defaultdict(int))    # gradients the buckets take
     model_flops: int = 0                           # every rank's matmul and attention flops, causal ones whole
     work: Dict[tuple, tuple] = field(default_factory=dict, repr=False)     # an op's work by its metadata
 
@@ -143,6 +145,11 @@ class ComputeTally:
                 ranks.update(t._layout.placement.rank_list())
         for r in ranks:
             self.host_ops[r] += 1
+
+    def bucketed_gradient(self, grad) -> None:
+        """One gradient taken by the gradient buckets, whose hooks run in the process of each of its ranks."""
+        for r in grad._layout.placement.rank_list():
+            self.bucketed[r] += 1
 
     def on_rank(self, rank: int) -> Dict[Key, Work]:
         """The kernels ``rank`` runs."""

@@ -375,6 +375,7 @@ def evaluate_layouts(model: nn.Module, world_size: int, layouts: Dict[str, tuple
                 g._sharded_grad = shard_sbp(g, zero_axis)
         buckets = bucket_gradients([g for g in param_layouts.values() if g.requires_grad])
         buckets.on_new_buffer = live.held            # a real run's buckets stay for the next backward
+        buckets.on_bucketed = tally.bucketed_gradient
         try:
             with swapped(model, metas), comm_profile(model) as prof, observing_creation(live.created, tag_pieces), \
                     MemoizedMeta(reads, tally, world, prof.tracker.current), _experts(model, experts):
@@ -405,7 +406,7 @@ def evaluate_layouts(model: nn.Module, world_size: int, layouts: Dict[str, tuple
              "activations": {r: max(live.peak.get(r, 0) - gradients.get(r, 0), 0) for r in ranks}}
     cost = Cost(prof.bytes_sent, prof.count, 0.0, max(by_rank.values()),
                 {k: max(v.get(r, 0) for r in ranks) for k, v in parts.items()}, list(prof.events), tally, by_rank)
-    cost.seconds = predict_cost(cost, ranks, device or calibration.device, calibration.host_op_seconds,
+    cost.seconds = predict_cost(cost, ranks, device or calibration.device, calibration.host,
                                 stages=stages).seconds
     return cost
 

@@ -10,7 +10,8 @@ training (where ranks outnumber cores, a kernel takes its share of the waits):
   its rate as a fraction of the matmul rate;
 - a mix of memory-bound kernels (GELU, add, layer norm, softmax, scale) at two sizes:
   ``α + bytes / bandwidth`` per kernel;
-- a small training step's host time per global op over its plain twin's (:func:`host_op_seconds`).
+- a small training step's host time per global op over its plain twin's (:func:`host_op_seconds`);
+- the host's CPU time per gradient a gradient bucket takes (:func:`host_gradient_seconds`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from ...comm import get_world
 from ...placement import Placement
-from ...sbp import broadcast
+from ...sbp import broadcast, split
 from ...tensor import GlobalTensor
 from .devices import THIS_CPU, Device
 
@@ -36,6 +37,8 @@ ATTENTION_LENGTHS = (64, 256)            # causal attention of 4 heads of 32 ove
 MEMORY_NUMELS = (16 * 1024, 512 * 1024)  # elements per memory-bound kernel
 MEMORY_MIX = 5                           # kernels per round of the mix
 BLOCK_TOKENS, BLOCK_WIDTH = 256, 64      # the host's step: its kernels about as long as its dispatch
+GRADIENT_LAYERS, GRADIENT_WIDTH = 16, 32  # a stack of small linear layers: 16 partial weight gradients
+GRADIENT_CALLS = 8                        # backwards a timing of it covers, the same on every rank (it reduces)
 
 
 #: the shortest stretch one timing covers: longer than a scheduler's time slice, so that where ranks
@@ -60,13 +63,13 @@ def together() -> None:
         world.all_reduce(tuple(range(world.size)), {world.rank: torch.zeros(1)})
 
 
-def per_call(run: Callable, calls: int) -> float:
-    """The mean seconds of ``calls`` calls of ``run``, begun on every rank at once."""
+def per_call(run: Callable, calls: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The mean seconds of ``calls`` calls of ``run`` on ``clock``, begun on every rank at once."""
     together()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(calls):
         run()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def typical(run: Callable, repeats: int, calls: Optional[int] = None) -> float:
@@ -158,6 +161,42 @@ def host_op_seconds(ranks: list, repeats: int) -> float:
     added = [per_call(global_run, global_calls) - held * per_call(plain_run, plain_calls)
              for _ in range(2 * repeats + 1)]            # paired rounds: a slow spell hits both sides
     return max(statistics.median(added), 0.0) / counted.ops
+
+
+def host_gradient_seconds(ranks: list, repeats: int) -> float:
+    """The CPU seconds a gradient adds to its process's main thread in a backward when a gradient
+    bucket takes it: the hooks' Python, its copy into the bucket's flat buffer and out, the
+    collective's launch -- not the wait for the collective, which is communication and costs no CPU
+    time. A stack of small linear layers replicated on a batch split over the ranks (the weights'
+    gradients partial; the biases' come out whole, as the sum's gradient is), its forward and
+    backward timed in the thread's CPU time with the gradients bucketed and with the buckets off
+    (``bucket_bytes=0``: they stay partial), in alternating rounds; the median difference over the
+    gradients the buckets took in one backward."""
+    from ..distribute import distribute_module
+    from ...from_local import distribute
+    placement = Placement("cpu", ranks)
+    torch.manual_seed(0)
+    d = GRADIENT_WIDTH
+    bucketed = torch.nn.Sequential(*(torch.nn.Linear(d, d) for _ in range(GRADIENT_LAYERS)))
+    partial = copy.deepcopy(bucketed)
+    distribute_module(bucketed, placement, {})
+    distribute_module(partial, placement, {}, bucket_bytes=0)
+    x = distribute(torch.randn(8 * len(ranks), d), placement, (split(0),))
+
+    def backward(model):
+        for p in model.parameters():         # not zero_grad(): it reads .grad, which reduces a partial one
+            p.grad = None
+        model(x).sum().backward()
+    runs = (lambda: backward(bucketed)), (lambda: backward(partial))
+    for run in runs:
+        run()
+    taken = []
+    bucketed._gt_grad_buckets.on_bucketed = taken.append
+    runs[0]()
+    bucketed._gt_grad_buckets.on_bucketed = None
+    added = [per_call(runs[0], GRADIENT_CALLS, time.thread_time) - per_call(runs[1], GRADIENT_CALLS, time.thread_time)
+             for _ in range(2 * repeats + 1)]
+    return max(statistics.median(added), 0.0) / len(taken)
 
 
 class GlobalOps(TorchDispatchMode):

@@ -140,7 +140,7 @@ class AutoPlan(Mapping):
         cal = current_calibration()
         target = device_named(device) or self.device or cal.device
         flops = self.options[0].cost.tally.model_flops          # data parallel's, summed: one device's
-        return predict_cost(option.cost, self.placement.rank_list(), target, cal.host_op_seconds,
+        return predict_cost(option.cost, self.placement.rank_list(), target, cal.host,
                             tokens if tokens is not None else self.tokens, flops, self.dtype)
 
     # -- explanation ------------------------------------------------------------------------

@@ -8,7 +8,10 @@ Per rank, on a :class:`~.devices.Device`:
   link. Where the device overlaps (GPUs), the gradient buckets' reductions run under the backward's
   compute and ring attention's block exchanges under its attention kernels, and only what outlasts
   them shows (eager FSDP gathers a parameter when an op needs it, with nothing to hide under);
-- **host**: the global ops its process dispatches, at the calibrated seconds per op.
+- **host**: the global ops its process dispatches, at the calibrated seconds per op, and the
+  gradients its gradient buckets take, at the calibrated seconds per gradient (the hooks' Python, the
+  copy into and out of the flat buffer, the collectives' launch: a data-parallel step's work on the
+  host that is no global op).
 
 A GPU's host dispatches ahead of its kernels, so a rank's step is the longer of host and device
 (compute plus the communication that shows); on this CPU the same cores do both, so they add. The
@@ -32,6 +35,13 @@ from .compute import ComputeTally
 from .devices import Device
 
 
+@dataclass(frozen=True)
+class HostCosts:
+    """The host's seconds per global op dispatched and per gradient a gradient bucket takes."""
+    op_seconds: float
+    gradient_seconds: float
+
+
 @dataclass
 class RankTime:
     compute: float = 0.0
@@ -46,9 +56,9 @@ class RankTime:
 @dataclass
 class Prediction:
     """One layout's predicted step on ``device``: the slowest ``rank``'s ``seconds``, split into
-    ``compute``, ``communication`` (exposed) and ``host`` dispatch; per rank ``memory`` (bytes) with
+    ``compute``, ``communication`` (exposed) and ``host`` work; per rank ``memory`` (bytes) with
     ``memory_parts``; ``tokens_per_second`` and ``mfu`` where the tokens and flops are known; and the
-    slowest rank's seconds ``by_kind`` (kernel kinds, collective kinds, host dispatch) and
+    slowest rank's seconds ``by_kind`` (kernel kinds, collective kinds, host dispatch, gradient hooks) and
     ``by_module``."""
     device: str
     seconds: float
@@ -72,7 +82,7 @@ class Prediction:
         """The prediction as text: the step, its parts, throughput, memory, and where the time goes."""
         lines = [f"predicted step on {self.device}: {self.seconds * 1e3:.3f} ms (rank {self.rank}: compute "
                  f"{self.compute * 1e3:.3f} ms, communication {self.communication * 1e3:.3f} ms shown"
-                 f" + {self.hidden_communication * 1e3:.3f} ms hidden, host dispatch {self.host * 1e3:.3f} ms)"]
+                 f" + {self.hidden_communication * 1e3:.3f} ms hidden, host {self.host * 1e3:.3f} ms)"]
         if self.tokens_per_second is not None:
             lines.append(f"throughput: {self.tokens_per_second:,.0f} tokens/s"
                          + (f", MFU {self.mfu * 100:.1f} %" if self.mfu is not None else ""))
@@ -87,8 +97,8 @@ def _largest(seconds: Dict[str, float], n: int = 8) -> list:
     return sorted(seconds.items(), key=lambda kv: -kv[1])[:n]
 
 
-def rank_time(rank: int, tally: ComputeTally, events, device: Device, host_op_seconds: float) -> RankTime:
-    """One rank's compute, communication and host dispatch in the step on ``device``."""
+def rank_time(rank: int, tally: ComputeTally, events, device: Device, host: HostCosts) -> RankTime:
+    """One rank's compute, communication and host work in the step on ``device``."""
     t = RankTime()
     backward = 0.0
     for (kind, dtype, phase, module), work in tally.on_rank(rank).items():
@@ -122,8 +132,11 @@ def rank_time(rank: int, tally: ComputeTally, events, device: Device, host_op_se
         shown = max(0.0, pool - under)
         t.communication += shown
         t.hidden += pool - shown
-    t.host = tally.host_ops.get(rank, 0) * host_op_seconds
-    t.by_kind["host dispatch"] += t.host
+    dispatch = tally.host_ops.get(rank, 0) * host.op_seconds
+    hooks = tally.bucketed.get(rank, 0) * host.gradient_seconds
+    t.host = dispatch + hooks
+    t.by_kind["host dispatch"] += dispatch
+    t.by_kind["gradient hooks"] += hooks
     t.device_bound = t.compute + t.communication >= t.host
     return t
 
@@ -134,14 +147,14 @@ def step_seconds(t: RankTime, device: Device) -> float:
     return max(t.host, t.compute + t.communication)
 
 
-def predict_cost(cost, ranks, device: Device, host_op_seconds: float, tokens: Optional[int] = None,
+def predict_cost(cost, ranks, device: Device, host: HostCosts, tokens: Optional[int] = None,
                  model_flops: Optional[int] = None, dtype: torch.dtype = torch.float32,
                  stages: Optional[List[List[int]]] = None) -> Prediction:
     """The prediction of a costed layout (cost.py's ``Cost``) on ``device``; ``tokens``: a step's
     tokens; ``model_flops``: the one-device step's flops (for MFU); ``stages``: the ranks of the
     pipeline stages of an eager step, which run one after another -- the step is then each stage's
     slowest rank without its transfers, summed, and the transfers between stages once."""
-    times = {r: rank_time(r, cost.tally, cost.events, device, host_op_seconds) for r in ranks}
+    times = {r: rank_time(r, cost.tally, cost.events, device, host) for r in ranks}
     slowest = max(ranks, key=lambda r: step_seconds(times[r], device))
     t = times[slowest]
     seconds = step_seconds(t, device) if not stages else _chained(stages, times, cost.events, device)

@@ -61,7 +61,7 @@ def predict_step(model: nn.Module, example_args: Sequence, step: Optional[Callab
     if tokens is None:
         tokens = next((a.numel() for a in example_args if not a.dtype.is_floating_point), None)
     dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-    return predict_cost(cost, ranks, target, cal.host_op_seconds, tokens, cost.tally.model_flops, dtype, stages)
+    return predict_cost(cost, ranks, target, cal.host, tokens, cost.tally.model_flops, dtype, stages)
 
 
 def pipeline_stages_of(model: nn.Module) -> Optional[List[List[int]]]:
