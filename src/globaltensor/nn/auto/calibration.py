@@ -52,6 +52,7 @@ class Calibration:
 
     @property
     def host(self) -> HostCosts:
+        """The host's seconds per global op and per bucketed gradient, as predict.py takes them."""
         return HostCosts(self.host_op_seconds, self.host_gradient_seconds)
 
     @property
